@@ -1,0 +1,1 @@
+"""Part of kvtier; see docs/architecture.md."""

@@ -1,0 +1,328 @@
+"""Typed, frozen, validated configuration, loaded in one place.
+
+Precedence: the embedded default (``kvtier/default.toml``), then a TOML file, then
+``KVTIER_*`` environment variables, then CLI ``--set`` flags. Every setting is listed in
+``docs/configuration.md``.
+
+Environment variables address nested keys with double underscores:
+``KVTIER_STORE__CHUNK_TOKENS=512``, ``KVTIER_TIERS__0__CAPACITY_BYTES=8GiB``. Flags use
+dots: ``--set store.chunk_tokens=512``.
+
+Each tier section is validated against the options class of its ``kind``, so every
+component receives only its own typed section.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kvtier.errors import ConfigError
+from kvtier.units import GiB, parse_size
+
+T = TypeVar("T")
+
+ENV_PREFIX = "KVTIER_"
+
+
+class Switch(enum.Enum):
+    """An optional acceleration: force it on, force it off, or use it where it works."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Which model's KV the store holds (used for key namespaces and the demo)."""
+
+    # A preset name (llama-3-8b, llama-3-70b, qwen2-7b, mixtral-8x7b, deepseek-v3) or a
+    # path to a Hugging Face config.json or its directory.
+    name: str = "llama-3-8b"
+    # Override of the cache dtype; empty means the model config's torch_dtype.
+    dtype: str = ""
+    tp_size: int = 1
+    tp_rank: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """The tiered store's own settings."""
+
+    # Tokens per chunk, the unit of prefix matching. A multiple of the engine block size.
+    chunk_tokens: int = 256
+    # Largest extent (adaptive page), in bytes. Runs longer than this take several
+    # extents. Large values mean fewer, larger transfers; see docs/architecture.md.
+    max_extent_bytes: int = 4 * GiB
+    # Threads that copy and do I/O off the caller's thread.
+    io_threads: int = 4
+    # On a hit in a lower tier, copy the chunk back into the top tier.
+    promote_on_hit: bool = True
+    # Eviction order of every tier: "lru" in the core; kvtier.policies adds more.
+    eviction: str = "lru"
+
+
+@dataclass(frozen=True, slots=True)
+class TierSection:
+    """One tier of the hierarchy, top (fastest) first in ``KVTierConfig.tiers``."""
+
+    # Tier kind: host, cxl, gpu (nvme and redis once installed); see docs/configuration.md.
+    kind: str
+    # Name in stats, logs and metrics; defaults to the kind.
+    name: str
+    # Bytes this tier may hold.
+    capacity_bytes: int
+    # The kind's own options, validated against its options class.
+    options: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class KVTierConfig:
+    """The whole configuration. Build with :func:`load_config`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    tiers: tuple[TierSection, ...] = ()
+    # Python logging level name for kvtier's loggers.
+    log_level: str = "INFO"
+
+
+# -- loading -------------------------------------------------------------------------------
+
+
+def default_toml() -> dict[str, Any]:
+    """The embedded default configuration, as parsed TOML."""
+    text = resources.files("kvtier").joinpath("default.toml").read_text()
+    return tomllib.loads(text)
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    base: dict[str, Any] | None = None,
+) -> KVTierConfig:
+    """Load, merge and validate the configuration.
+
+    Args:
+        path: a TOML file layered over the embedded default; None for the default alone.
+        env: environment to read ``KVTIER_*`` variables from (``os.environ`` when None).
+        overrides: ``key.path=value`` strings from the command line, applied last.
+        base: a raw dict used instead of the embedded default (tests, connectors).
+
+    Raises:
+        ConfigError: a file that cannot be read or parsed, an unknown key, or a value
+            of the wrong type or range. The message names the key and what is allowed.
+    """
+    raw = copy.deepcopy(base) if base is not None else default_toml()
+    if path is not None:
+        try:
+            file_raw = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError("config_file", str(path), f"a readable TOML file ({exc})") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("config_file", str(path), f"valid TOML ({exc})") from exc
+        raw = merge(raw, file_raw)
+    environ = os.environ if env is None else env
+    for name, value in sorted(environ.items()):
+        if name.startswith(ENV_PREFIX) and "__" in name:
+            dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
+            set_dotted(raw, dotted, value, source=name)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError("--set", item, "key.path=value")
+        set_dotted(raw, key.strip(), value.strip(), source=f"--set {key.strip()}")
+    return parse_config(raw)
+
+
+def merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge; lists (such as ``tiers``) are replaced whole."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def set_dotted(raw: dict[str, Any], dotted: str, value: object, *, source: str) -> None:
+    """Set ``a.b.0.c`` in a raw config tree, creating tables as needed."""
+    parts = dotted.split(".")
+    node: Any = raw
+    for i, part in enumerate(parts[:-1]):
+        nxt = parts[i + 1]
+        if isinstance(node, list):
+            idx = _index(part, node, source)
+            node = node[idx]
+            continue
+        if part not in node:
+            node[part] = [] if nxt.isdigit() else {}
+        node = node[part]
+    last = parts[-1]
+    if isinstance(node, list):
+        node[_index(last, node, source)] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise ConfigError(source, value, f"a path into a table, but {dotted!r} is not one")
+
+
+def _index(part: str, node: list[Any], source: str) -> int:
+    if not part.isdigit():
+        raise ConfigError(source, part, "a list index")
+    idx = int(part)
+    while len(node) <= idx:  # KVTIER_TIERS__1__... may add a tier
+        node.append({})
+    return idx
+
+
+def parse_config(raw: Mapping[str, Any]) -> KVTierConfig:
+    """Validate a raw (merged) config tree into a :class:`KVTierConfig`."""
+    from kvtier.tiers.registry import tier_options_class
+
+    raw = dict(raw)
+    tiers_raw = raw.pop("tiers", [])
+    cfg = build_dataclass(KVTierConfig, raw, "")
+    if not isinstance(tiers_raw, list) or not tiers_raw:
+        raise ConfigError("tiers", tiers_raw, "a non-empty list of [[tiers]] tables")
+    tiers: list[TierSection] = []
+    for i, t in enumerate(tiers_raw):
+        where = f"tiers.{i}"
+        if not isinstance(t, Mapping):
+            raise ConfigError(where, t, "a table")
+        t = dict(t)
+        kind = t.pop("kind", None)
+        if not isinstance(kind, str):
+            raise ConfigError(f"{where}.kind", kind, "a tier kind such as 'host'")
+        options_cls = tier_options_class(kind, where)
+        name = str(t.pop("name", kind))
+        if "capacity_bytes" not in t:
+            raise ConfigError(f"{where}.capacity_bytes", None, "a size such as '4GiB'")
+        capacity = _coerce(t.pop("capacity_bytes"), int, f"{where}.capacity_bytes")
+        if capacity <= 0:
+            raise ConfigError(f"{where}.capacity_bytes", capacity, "a positive size")
+        options = build_dataclass(options_cls, t, where)
+        tiers.append(TierSection(kind, name, capacity, options))
+    names = [t.name for t in tiers]
+    if len(set(names)) != len(names):
+        raise ConfigError("tiers.*.name", names, "unique tier names")
+    cfg = dataclasses.replace(cfg, tiers=tuple(tiers))
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: KVTierConfig) -> None:
+    s = cfg.store
+    if s.chunk_tokens < 1:
+        raise ConfigError("store.chunk_tokens", s.chunk_tokens, "an integer >= 1")
+    if s.max_extent_bytes < 4096:
+        raise ConfigError("store.max_extent_bytes", s.max_extent_bytes, "at least 4KiB")
+    if not 1 <= s.io_threads <= 256:
+        raise ConfigError("store.io_threads", s.io_threads, "an integer in [1, 256]")
+    if cfg.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ConfigError("log_level", cfg.log_level, "DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    if not 0 <= cfg.model.tp_rank < cfg.model.tp_size:
+        raise ConfigError("model.tp_rank", cfg.model.tp_rank, f"in [0, {cfg.model.tp_size})")
+
+
+def build_dataclass(cls: type[T], raw: Mapping[str, Any], where: str) -> T:
+    """Build a frozen dataclass from a raw mapping, coercing strings from env and flags.
+
+    Unknown keys are errors (a typo must not silently fall back to a default). Fields
+    whose names end in ``_bytes`` accept sizes such as ``"4GiB"``.
+    """
+    if not isinstance(raw, Mapping):
+        raise ConfigError(where or "<root>", raw, "a table")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        dotted = f"{where}.{key}" if where else key
+        if key not in fields:
+            raise ConfigError(dotted, value, f"one of the known keys {sorted(fields)}")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = build_dataclass(hint, value, dotted)  # type: ignore[arg-type]
+        else:
+            kwargs[key] = _coerce(value, hint, dotted)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(where or "<root>", dict(raw), f"the fields of {cls.__name__}: {exc}") from exc
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
+            if type(None) in args:
+                return None
+        last: ConfigError | None = None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as exc:
+                last = exc
+        assert last is not None
+        raise last
+    if hint is Any:
+        return value
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            return hint(str(value).lower())
+        except ValueError:
+            raise ConfigError(key, value, "one of " + ", ".join(m.value for m in hint)) from None
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(key, value, "true or false")
+    if hint is int:
+        try:
+            if key.endswith("_bytes"):
+                return parse_size(value)
+            if isinstance(value, bool) or isinstance(value, float):
+                raise ValueError
+            return int(value)
+        except (TypeError, ValueError):
+            what = "a size such as 4096 or '4GiB'" if key.endswith("_bytes") else "an integer"
+            raise ConfigError(key, value, what) from None
+    if hint is float:
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(key, value, "a number") from None
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(key, value, "a string")
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, value, "a list")
+        (item,) = typing.get_args(hint)[:1]
+        return tuple(_coerce(v, item, key) for v in value)
+    raise ConfigError(key, value, f"a value of type {hint}")

@@ -1,0 +1,76 @@
+"""Build a store (and its key hasher) from a validated configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.config import KVTierConfig, ModelConfig
+from kvtier.keys import ChunkHasher, Namespace
+from kvtier.spec import KVSpec, preset
+from kvtier.store.policy import PlacementPolicy, eviction_factory
+from kvtier.store.store import TieredStore
+from kvtier.tiers.base import Tier
+from kvtier.tiers.registry import create_tier
+
+
+def spec_from_model(model: ModelConfig) -> KVSpec:
+    """The KV spec a ``[model]`` section describes (a preset name or a config.json path)."""
+    from kvtier.spec import PRESETS
+
+    if model.name.lower() in PRESETS:
+        base = preset(model.name)
+        from dataclasses import replace
+
+        from kvtier.spec import DType
+
+        dtype = DType.parse(model.dtype) if model.dtype else base.dtype
+        return replace(base, dtype=dtype, tp_rank=model.tp_rank, tp_size=model.tp_size)
+    return KVSpec.from_hf_config(
+        model.name, dtype=model.dtype or None, tp_rank=model.tp_rank, tp_size=model.tp_size
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    """A store with the spec and hasher its keys come from."""
+
+    store: TieredStore
+    spec: KVSpec
+    hasher: ChunkHasher
+
+
+def build_store(
+    cfg: KVTierConfig,
+    *,
+    spec: KVSpec | None = None,
+    chunk_bytes: int | None = None,
+    placement: PlacementPolicy | None = None,
+    tenant: str = "",
+) -> Built:
+    """Create the tiers and the store of ``cfg``.
+
+    Args:
+        spec: the KV geometry; defaults to ``cfg.model``.
+        chunk_bytes: slot size; defaults to the spec's bytes per chunk.
+        placement: admission/demotion policy; default keeps everything.
+        tenant: namespace salt for the hasher.
+    """
+    spec = spec or spec_from_model(cfg.model)
+    slot = chunk_bytes or spec.chunk_bytes(cfg.store.chunk_tokens)
+    tiers: list[Tier] = []
+    try:
+        for section in cfg.tiers:
+            tiers.append(create_tier(section, slot, cfg.store.max_extent_bytes))
+    except BaseException:
+        for t in tiers:
+            t.close()
+        raise
+    store = TieredStore(
+        tiers,
+        eviction=eviction_factory(cfg.store.eviction),
+        placement=placement,
+        io_threads=cfg.store.io_threads,
+        promote_on_hit=cfg.store.promote_on_hit,
+    )
+    hasher = ChunkHasher(Namespace(cfg.model.name, spec.fingerprint, cfg.store.chunk_tokens, tenant))
+    return Built(store, spec, hasher)

@@ -1,0 +1,26 @@
+"""The tiered store and its policy contracts."""
+
+from kvtier.store.policy import EvictionPolicy, LRUEviction, PlacementPolicy, WriteThrough
+from kvtier.store.store import TieredStore
+from kvtier.store.types import (
+    EventKind,
+    GetResult,
+    LookupResult,
+    PutResult,
+    StoreEvent,
+    StoreStats,
+)
+
+__all__ = [
+    "EventKind",
+    "EvictionPolicy",
+    "GetResult",
+    "LRUEviction",
+    "LookupResult",
+    "PlacementPolicy",
+    "PutResult",
+    "StoreEvent",
+    "StoreStats",
+    "TieredStore",
+    "WriteThrough",
+]

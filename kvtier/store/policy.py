@@ -1,0 +1,118 @@
+"""The store's policy contracts. ``kvtier.policies`` implements them; the core never imports it.
+
+Two narrow ABCs:
+
+* :class:`EvictionPolicy` orders one tier's chunks, coldest first.
+* :class:`PlacementPolicy` decides where a new chunk goes, and where a victim goes
+  when its tier needs room (one tier down, or dropped).
+
+Policies are called under the store's lock: they must be fast and must not call back
+into the store. Eviction is atomic at the store level: a make-room pass frees exactly
+the victims it marked, or leaves every chunk where it was.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from importlib.metadata import entry_points
+
+from typing_extensions import override
+
+from kvtier.errors import ConfigError, PluginError
+from kvtier.keys import ChunkKey
+
+
+class EvictionPolicy(ABC):
+    """Keeps the eviction order of one tier's chunks."""
+
+    @abstractmethod
+    def insert(self, key: ChunkKey, nbytes: int) -> None:
+        """A chunk now lives in this tier."""
+
+    @abstractmethod
+    def touch(self, key: ChunkKey) -> None:
+        """A chunk of this tier was hit."""
+
+    @abstractmethod
+    def remove(self, key: ChunkKey) -> None:
+        """A chunk left this tier (evicted, moved or deleted). Unknown keys are ignored."""
+
+    @abstractmethod
+    def candidates(self) -> Iterator[ChunkKey]:
+        """This tier's chunks, best victim first. The store skips pinned and busy ones."""
+
+
+class LRUEviction(EvictionPolicy):
+    """Least recently used first."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[ChunkKey, None] = OrderedDict()
+
+    @override
+    def insert(self, key: ChunkKey, nbytes: int) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    @override
+    def touch(self, key: ChunkKey) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    @override
+    def remove(self, key: ChunkKey) -> None:
+        self._order.pop(key, None)
+
+    @override
+    def candidates(self) -> Iterator[ChunkKey]:
+        return iter(self._order)  # the store never mutates while it iterates
+
+
+class PlacementPolicy(ABC):
+    """Where chunks go. The default keeps everything and demotes one tier at a time."""
+
+    def admit(self, tier: int, keys: Sequence[ChunkKey], value_bytes: int) -> bool:
+        """May these new chunks be written into ``tier``? Default: yes."""
+        return True
+
+    def demote_target(self, tier: int, n_tiers: int, keys: Sequence[ChunkKey]) -> int | None:
+        """Tier that victims of ``tier`` move to, or None to drop them."""
+        return tier + 1 if tier + 1 < n_tiers else None
+
+    def on_hit(self, tier: int, keys: Sequence[ChunkKey]) -> None:  # noqa: B027 - optional hook
+        """Chunks were served from ``tier`` (reuse evidence)."""
+
+    def on_miss(self, keys: Sequence[ChunkKey]) -> None:  # noqa: B027 - optional hook
+        """Chunks were looked up and absent (ghost-list evidence)."""
+
+    def should_promote(self, tier: int, keys: Sequence[ChunkKey]) -> bool:
+        """Move chunks hit in ``tier`` (> 0) up to the top tier? Default: yes."""
+        return True
+
+
+class WriteThrough(PlacementPolicy):
+    """Keep everything, demote tier by tier: what the peers do (the baseline policy)."""
+
+
+EvictionFactory = Callable[[], EvictionPolicy]
+
+BUILTIN_EVICTION: dict[str, str] = {"lru": "kvtier.store.policy:LRUEviction"}
+
+
+def eviction_factory(name: str) -> EvictionFactory:
+    """Resolve an eviction policy by name: built-ins, then the ``kvtier.eviction`` entry points."""
+    path = BUILTIN_EVICTION.get(name)
+    if path is None:
+        for ep in entry_points(group="kvtier.eviction"):
+            if ep.name == name:
+                path = ep.value
+    if path is None:
+        raise ConfigError("store.eviction", name, f"one of {sorted(BUILTIN_EVICTION)} or a plugin")
+    module, _, attr = path.partition(":")
+    try:
+        factory: EvictionFactory = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise PluginError(f"eviction policy {name!r} ({path}) cannot be loaded: {exc}") from exc
+    return factory

@@ -1,0 +1,681 @@
+"""The tiered store: one index over a stack of tiers, and the movers between them.
+
+* ``put`` writes new chunks into the top tier the placement policy admits, laying each
+  run out as adaptive extents (binary decomposition), after making room by demoting or
+  dropping victims chosen by the tier's eviction policy.
+* ``lookup`` answers how many leading chunks are present, and where. Cheap, no I/O.
+* ``get`` copies a leading run into the caller's buffer; a hit in a lower tier may be
+  promoted afterwards, in the background.
+* ``delete``, ``pin``/``unpin``, ``stats``, listeners for events.
+
+Threading: public methods may be called from any thread. The index is guarded by one
+lock; bytes move on the store's I/O threads, never under the lock and never on the
+caller's thread (``put`` and ``get`` return futures). A chunk being read or moved is
+*busy*: it is never chosen as a victim until the copy is done, so no slot is reused
+while bytes are in flight.
+
+Failures of a tier (I/O errors, corrupt bytes) never escape as exceptions: they become
+misses, a counter, an event and a rate-limited log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.alloc import Extent
+from kvtier.errors import ClosedError, CorruptChunkError, InputError, TierError
+from kvtier.keys import ChunkKey
+from kvtier.store.policy import EvictionFactory, LRUEviction, PlacementPolicy, WriteThrough
+from kvtier.store.types import (
+    EventKind,
+    GetResult,
+    LookupResult,
+    PutResult,
+    StoreEvent,
+    StoreStats,
+)
+from kvtier.tiers.base import SlotRun, Tier
+
+log = logging.getLogger(__name__)
+
+Buffer = memoryview | bytes | bytearray | np.ndarray
+Listener = Callable[[StoreEvent], None]
+
+_MAKE_ROOM_ROUNDS = 8  # bounded retries when concurrent puts race for freed space
+
+
+class _Entry:
+    """Where one chunk lives. Internal and mutable; guarded by the store lock."""
+
+    __slots__ = ("busy", "doomed", "offset", "pins", "tier", "value_bytes")
+
+    def __init__(self, tier: int, offset: int, value_bytes: int) -> None:
+        self.tier = tier
+        self.offset = offset
+        self.value_bytes = value_bytes
+        self.pins = 0
+        self.busy = 0
+        self.doomed = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Loc:
+    """A snapshot of an entry's location, taken under the lock."""
+
+    key: ChunkKey
+    tier: int
+    offset: int
+    value_bytes: int
+
+
+def _as_bytes_view(buf: Buffer, *, writable: bool) -> memoryview:
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise InputError("buffer must be C-contiguous")
+        view = memoryview(buf.reshape(-1).view(np.uint8))
+    else:
+        view = memoryview(buf)
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    if writable and view.readonly:
+        raise InputError("destination buffer is read-only")
+    return view
+
+
+def runs_of(locs: Sequence[_Loc]) -> list[tuple[int, int, SlotRun]]:
+    """Group locations into runs of consecutive slots of one tier and equal length.
+
+    Returns (index of the first loc, tier, run) triples, in order.
+    """
+    out: list[tuple[int, int, SlotRun]] = []
+    i = 0
+    while i < len(locs):
+        first = locs[i]
+        j = i + 1
+        while (
+            j < len(locs)
+            and locs[j].tier == first.tier
+            and locs[j].offset == first.offset + (j - i)
+            and locs[j].value_bytes == first.value_bytes
+        ):
+            j += 1
+        keys = tuple(loc.key for loc in locs[i:j])
+        out.append((i, first.tier, SlotRun(first.offset, keys, first.value_bytes)))
+        i = j
+    return out
+
+
+class TieredStore:
+    """KV chunks over a stack of tiers, fastest first.
+
+    Args:
+        tiers: the hierarchy, top first. The store owns them and closes them.
+        eviction: builds one eviction policy per tier (default LRU).
+        placement: admission and demotion decisions (default: keep everything).
+        io_threads: threads that move bytes.
+        promote_on_hit: move chunks hit in a lower tier back to the top, in the background.
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        eviction: EvictionFactory = LRUEviction,
+        placement: PlacementPolicy | None = None,
+        io_threads: int = 4,
+        promote_on_hit: bool = True,
+    ) -> None:
+        if not tiers:
+            raise InputError("a store needs at least one tier")
+        self.tiers: tuple[Tier, ...] = tuple(tiers)
+        self.slot_bytes = min(t.slot_bytes for t in self.tiers)
+        self.placement = placement or WriteThrough()
+        self.promote_on_hit = promote_on_hit
+        self._evict = [eviction() for _ in self.tiers]
+        self._index: dict[ChunkKey, _Entry] = {}
+        self._pending: set[ChunkKey] = set()
+        self._lock = threading.RLock()
+        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
+        self._listeners: list[Listener] = []
+        self._closed = False
+        self._c: dict[str, int] = dict.fromkeys(
+            (
+                "lookups lookup_hit_chunks lookup_miss_chunks gets get_chunks get_bytes puts "
+                "put_chunks put_present put_rejected demoted_chunks promoted_chunks "
+                "dropped_chunks deleted_chunks corrupt_chunks tier_errors"
+            ).split(),
+            0,
+        )
+        self._tier_hits = [0] * len(self.tiers)
+        self._logged: dict[tuple[str, str], int] = {}
+        self._recover()
+
+    # -- public API ----------------------------------------------------------------------
+
+    def put(self, keys: Sequence[ChunkKey], data: Buffer) -> Future[PutResult]:
+        """Store chunks whose values lie packed in ``data`` (equal length each).
+
+        ``len(data)`` must be ``len(keys) * value_bytes`` with ``value_bytes`` at most
+        :attr:`slot_bytes`. The caller must keep ``data`` alive and unchanged until the
+        future completes. Chunks already present are skipped. Never raises for tier
+        failures: they show in :class:`PutResult` and the stats.
+
+        Raises:
+            InputError: sizes that can never work.
+            ClosedError: the store is closed.
+        """
+        self._check_open()
+        view = _as_bytes_view(data, writable=False)
+        keys = list(keys)
+        if not keys:
+            fut: Future[PutResult] = Future()
+            fut.set_result(PutResult(0, 0, 0, 0))
+            return fut
+        if view.nbytes % len(keys):
+            raise InputError(f"{view.nbytes} bytes do not split evenly into {len(keys)} chunks")
+        value_bytes = view.nbytes // len(keys)
+        if not 0 < value_bytes <= self.slot_bytes:
+            raise InputError(f"chunk of {value_bytes} B; the store takes 1..{self.slot_bytes} B")
+        return self._pool.submit(self._put, keys, view, value_bytes)
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
+        """How many leading ``keys`` are present, and in which tiers. No I/O; thread-safe."""
+        self._check_open()
+        tiers: list[str] = []
+        with self._lock:
+            for key in keys:
+                e = self._index.get(key)
+                if e is None or e.doomed:
+                    break
+                tiers.append(self.tiers[e.tier].name)
+            self._c["lookups"] += 1
+            self._c["lookup_hit_chunks"] += len(tiers)
+            self._c["lookup_miss_chunks"] += len(keys) - len(tiers)
+            if len(tiers) < len(keys):
+                self.placement.on_miss(keys[len(tiers) :])
+        return LookupResult(len(tiers), tuple(tiers))
+
+    def get(self, keys: Sequence[ChunkKey], dst: Buffer) -> Future[GetResult]:
+        """Copy the leading present chunks of ``keys`` into ``dst``, packed.
+
+        ``dst`` must hold at least the sum of their value lengths (``len(keys) *
+        slot_bytes`` always suffices); the caller keeps it alive until the future
+        completes. A chunk that fails to read ends the run: the result counts only the
+        chunks before it, so the caller never uses bytes that were not verified.
+        """
+        self._check_open()
+        view = _as_bytes_view(dst, writable=True)
+        with self._lock:
+            locs: list[_Loc] = []
+            for key in keys:
+                e = self._index.get(key)
+                if e is None or e.doomed:
+                    break
+                e.busy += 1
+                locs.append(_Loc(key, e.tier, e.offset, e.value_bytes))
+            for loc in reversed(locs):  # head most recent, as in touch()
+                self._evict[loc.tier].touch(loc.key)
+            self._c["gets"] += 1
+        need = sum(loc.value_bytes for loc in locs)
+        if need > view.nbytes:
+            self._unbusy([loc.key for loc in locs])
+            raise InputError(f"destination of {view.nbytes} B; the hit needs {need} B")
+        return self._pool.submit(self._get, locs, view)
+
+    def delete(self, keys: Sequence[ChunkKey]) -> int:
+        """Remove chunks; returns how many were present. A chunk being read goes after the read."""
+        self._check_open()
+        removed = 0
+        with self._lock:
+            for key in keys:
+                e = self._index.get(key)
+                if e is None or e.doomed:
+                    continue
+                removed += 1
+                if e.busy:
+                    e.doomed = True
+                else:
+                    self._drop_locked(key, e)
+            self._c["deleted_chunks"] += removed
+        if removed:
+            self._emit(StoreEvent(EventKind.DELETED, "", removed, 0))
+        return removed
+
+    def pin(self, keys: Sequence[ChunkKey]) -> int:
+        """Protect present chunks from eviction and demotion; returns how many were pinned."""
+        with self._lock:
+            n = 0
+            for key in keys:
+                e = self._index.get(key)
+                if e is not None and not e.doomed:
+                    e.pins += 1
+                    n += 1
+            return n
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        """Undo one :meth:`pin` per key; unknown or unpinned keys are ignored."""
+        with self._lock:
+            for key in keys:
+                e = self._index.get(key)
+                if e is not None and e.pins:
+                    e.pins -= 1
+
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        """Mark chunks as used, last key first, so a sequence's tail is evicted before its head."""
+        with self._lock:
+            for key in reversed(keys):
+                e = self._index.get(key)
+                if e is not None:
+                    self._evict[e.tier].touch(key)
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener`` with every :class:`StoreEvent` (from I/O threads; keep it fast)."""
+        self._listeners.append(listener)
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            c = dict(self._c)
+            chunks = len(self._index)
+            hits = tuple((t.name, n) for t, n in zip(self.tiers, self._tier_hits, strict=True))
+        return StoreStats(chunks=chunks, tier_hits=hits, tiers=tuple(t.stats() for t in self.tiers), **c)
+
+    def flush(self) -> None:
+        """Wait for queued work, then make persistent tiers durable."""
+        self._pool.submit(lambda: None).result()
+        for t in self.tiers:
+            t.flush()
+
+    def close(self) -> None:
+        """Finish queued work, flush and close every tier. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        for t in self.tiers:
+            try:
+                t.flush()
+            finally:
+                t.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- workers -------------------------------------------------------------------------
+
+    def _put(self, keys: list[ChunkKey], view: memoryview, value_bytes: int) -> PutResult:
+        with self._lock:
+            fresh = [
+                (i, k) for i, k in enumerate(keys) if k not in self._index and k not in self._pending
+            ]
+            self._pending.update(k for _, k in fresh)
+            self._c["puts"] += 1
+            self._c["put_present"] += len(keys) - len(fresh)
+        stored = failed = 0
+        try:
+            todo = fresh
+            for t in range(len(self.tiers)):
+                if not todo:
+                    break
+                todo_keys = [k for _, k in todo]
+                with self._lock:
+                    admitted = self.placement.admit(t, todo_keys, value_bytes)
+                if not admitted:
+                    continue
+                # A run longer than the whole tier keeps its head here, the rest goes on down.
+                take = min(len(todo), self.tiers[t].capacity_slots)
+                extents = None
+                for _ in range(3):  # another put may take the room we made; try again
+                    if not self._make_room(t, take):
+                        break
+                    extents = self.tiers[t].allocate(take)
+                    if extents is not None:
+                        break
+                if extents is None:
+                    continue
+                s, f = self._write_new(t, extents, todo[:take], view, value_bytes)
+                stored += s
+                failed += f
+                todo = todo[take:]
+            rejected = len(todo)
+        finally:
+            with self._lock:
+                self._pending.difference_update(k for _, k in fresh)
+                self._c["put_chunks"] += stored
+                self._c["put_rejected"] += len(fresh) - stored - failed
+        return PutResult(stored, len(keys) - len(fresh), rejected, failed)
+
+    def _write_new(
+        self,
+        t: int,
+        extents: list[Extent],
+        items: list[tuple[int, ChunkKey]],
+        view: memoryview,
+        value_bytes: int,
+    ) -> tuple[int, int]:
+        tier = self.tiers[t]
+        stored = failed = 0
+        pos = 0
+        indexed: list[tuple[ChunkKey, int]] = []
+        for ext in extents:
+            offset, n = ext.offset, ext.units
+            chunk = items[pos : pos + n]
+            pos += n
+            # Values in one extent are written with one copy when they are contiguous
+            # in the caller's buffer, which they are for a sequence's new chunks.
+            groups = _contiguous_groups(chunk)
+            slot = offset
+            done: list[tuple[ChunkKey, int]] = []
+            try:
+                for start_idx, ks in groups:
+                    run = SlotRun(slot, tuple(ks), value_bytes)
+                    src = view[start_idx * value_bytes : (start_idx + len(ks)) * value_bytes]
+                    tier.write(run, src)
+                    done.extend((k, slot + j) for j, k in enumerate(ks))
+                    slot += len(ks)
+            except TierError as exc:
+                self._tier_failed(t, "write", exc, n)
+                tier.release(offset, n)
+                failed += n
+                continue
+            indexed.extend(done)
+            stored += n
+        with self._lock:
+            # Newest-last in eviction order, tail first: a sequence loses its tail
+            # before its head, so what stays is still a usable prefix.
+            for key, slot_no in reversed(indexed):
+                self._index[key] = _Entry(t, slot_no, value_bytes)
+                self._evict[t].insert(key, value_bytes)
+        if stored:
+            self._emit(StoreEvent(EventKind.STORED, tier.name, stored, stored * value_bytes))
+        return stored, failed
+
+    def _get(self, locs: list[_Loc], view: memoryview) -> GetResult:
+        done = 0
+        pos = 0
+        tiers: list[str] = []
+        lengths: list[int] = []
+        try:
+            for first, t, run in runs_of(locs):
+                try:
+                    self.tiers[t].read(run, view[pos : pos + run.nbytes])
+                except TierError as exc:
+                    self._read_failed(t, run, exc)
+                    break
+                done = first + run.n
+                pos += run.nbytes
+                tiers.extend([self.tiers[t].name] * run.n)
+                lengths.extend([run.value_bytes] * run.n)
+        finally:
+            self._unbusy([loc.key for loc in locs])
+        served = locs[:done]
+        with self._lock:
+            self._c["get_chunks"] += done
+            self._c["get_bytes"] += pos
+            for loc in served:
+                self._tier_hits[loc.tier] += 1
+            by_tier: dict[int, list[ChunkKey]] = {}
+            for loc in served:
+                by_tier.setdefault(loc.tier, []).append(loc.key)
+            for t, ks in by_tier.items():
+                self.placement.on_hit(t, ks)
+        if self.promote_on_hit and not self._closed:
+            for t, ks in by_tier.items():
+                if t > 0 and self.placement.should_promote(t, ks):
+                    self._pool.submit(self._promote, ks)
+        return GetResult(done, pos, tuple(lengths), tuple(tiers))
+
+    def _promote(self, keys: list[ChunkKey]) -> None:
+        with self._lock:
+            movable: list[_Loc] = []
+            for key in keys:
+                e = self._index.get(key)
+                if e is None or e.busy or e.doomed or e.tier == 0:
+                    continue
+                e.busy += 1
+                movable.append(_Loc(key, e.tier, e.offset, e.value_bytes))
+        if not movable:
+            return
+        if not self._make_room(0, len(movable)):
+            self._unbusy([m.key for m in movable])
+            return
+        moved = self._move(movable, 0, drop_on_failure=False)
+        with self._lock:
+            self._c["promoted_chunks"] += moved
+        if moved:
+            self._emit(StoreEvent(EventKind.PROMOTED, self.tiers[0].name, moved, 0))
+
+    # -- making room ---------------------------------------------------------------------
+
+    def _make_room(self, t: int, n: int) -> bool:
+        """Ensure tier ``t`` has ``n`` free slots, demoting or dropping victims. No lock held."""
+        tier = self.tiers[t]
+        if n > tier.capacity_slots:
+            return False
+        for _ in range(_MAKE_ROOM_ROUNDS):
+            with self._lock:
+                deficit = n - tier.free_slots
+                if deficit <= 0:
+                    return True
+                victims = self._pick_victims_locked(t, deficit)
+                if len(victims) < deficit:
+                    # Not enough evictable chunks: change nothing (atomic eviction).
+                    for v in victims:
+                        self._index[v.key].busy -= 1
+                    return False
+                target = self.placement.demote_target(t, len(self.tiers), [v.key for v in victims])
+                if target is None:
+                    self._drop_victims_locked(t, victims)
+                    continue
+            if self._make_room(target, len(victims)):
+                moved = self._move(victims, target, drop_on_failure=True)
+                with self._lock:
+                    self._c["demoted_chunks"] += moved
+                if moved:
+                    self._emit(StoreEvent(EventKind.DEMOTED, self.tiers[target].name, moved, 0))
+            else:
+                with self._lock:
+                    self._drop_victims_locked(t, victims)
+        return tier.free_slots >= n
+
+    def _pick_victims_locked(self, t: int, deficit: int) -> list[_Loc]:
+        out: list[_Loc] = []
+        for key in self._evict[t].candidates():
+            e = self._index.get(key)
+            if e is None or e.pins or e.busy or e.tier != t:
+                continue
+            out.append(_Loc(key, t, e.offset, e.value_bytes))
+            if len(out) >= deficit:
+                break
+        for v in out:
+            self._index[v.key].busy += 1
+        return out
+
+    def _drop_victims_locked(self, t: int, victims: list[_Loc]) -> None:
+        for v in victims:
+            e = self._index[v.key]
+            e.busy -= 1
+            self._drop_locked(v.key, e)
+        self._c["dropped_chunks"] += len(victims)
+        self._emit(StoreEvent(EventKind.DROPPED, self.tiers[t].name, len(victims), 0))
+
+    def _move(self, victims: list[_Loc], target: int, *, drop_on_failure: bool) -> int:
+        """Copy busy chunks into ``target`` (room already made) and repoint the index.
+
+        Returns how many moved. A chunk that fails to move is dropped when it is a
+        victim that must leave its tier (``drop_on_failure``), and stays where it was
+        otherwise (a promotion). Nothing is ever left half-moved; every victim stops
+        being busy.
+        """
+        victims = sorted(victims, key=lambda v: (v.tier, v.offset))
+        dst_tier = self.tiers[target]
+        extents = dst_tier.allocate(len(victims))
+        if extents is None:
+            with self._lock:
+                if drop_on_failure:
+                    self._drop_victims_locked(victims[0].tier, victims)
+            if not drop_on_failure:
+                self._unbusy([v.key for v in victims])
+            return 0
+        staging = np.empty(sum(v.value_bytes for v in victims), dtype=np.uint8)
+        view = memoryview(staging)
+        ok = [False] * len(victims)
+        pos = 0
+        offsets: list[int] = []
+        for ext in extents:
+            offsets.extend(range(ext.offset, ext.offset + ext.units))
+        starts: list[int] = []
+        for v in victims:
+            starts.append(pos)
+            pos += v.value_bytes
+        for first, t, run in runs_of(victims):
+            lo = starts[first]
+            try:
+                self.tiers[t].read(run, view[lo : lo + run.nbytes])
+            except TierError as exc:
+                self._read_failed(t, run, exc)
+                continue
+            for j in range(run.n):
+                ok[first + j] = True
+        # Write what was read into the new slots, run by run.
+        moved_locs = [
+            _Loc(v.key, target, offsets[i], v.value_bytes) for i, v in enumerate(victims) if ok[i]
+        ]
+        new_pos = {v.key: starts[i] for i, v in enumerate(victims)}
+        written: set[ChunkKey] = set()
+        for _, _, run in runs_of(moved_locs):
+            lo = new_pos[run.keys[0]]
+            contiguous = all(
+                new_pos[k] == lo + j * run.value_bytes for j, k in enumerate(run.keys)
+            )
+            try:
+                if contiguous:
+                    dst_tier.write(run, view[lo : lo + run.nbytes])
+                else:
+                    for j, k in enumerate(run.keys):
+                        one = SlotRun(run.offset + j, (k,), run.value_bytes)
+                        dst_tier.write(one, view[new_pos[k] : new_pos[k] + run.value_bytes])
+            except TierError as exc:
+                self._tier_failed(target, "write", exc, run.n)
+                continue
+            written.update(run.keys)
+        moved = 0
+        with self._lock:
+            for i, v in enumerate(victims):
+                e = self._index.get(v.key)
+                new_off = offsets[i]
+                if e is None:  # cannot happen while busy, kept defensive
+                    dst_tier.release(new_off, 1)
+                    continue
+                e.busy -= 1
+                if v.key in written:
+                    self._release_locked(v.tier, v.key, e.offset, e.value_bytes)
+                    self._evict[v.tier].remove(v.key)
+                    e.tier, e.offset = target, new_off
+                    self._evict[target].insert(v.key, e.value_bytes)
+                    moved += 1
+                    if e.doomed and not e.busy:
+                        self._drop_locked(v.key, e)
+                else:
+                    dst_tier.release(new_off, 1)
+                    if drop_on_failure or e.doomed:
+                        self._drop_locked(v.key, e)
+                        self._c["dropped_chunks"] += 1
+        return moved
+
+    # -- index helpers (lock held) --------------------------------------------------------
+
+    def _drop_locked(self, key: ChunkKey, e: _Entry) -> None:
+        del self._index[key]
+        self._evict[e.tier].remove(key)
+        self._release_locked(e.tier, key, e.offset, e.value_bytes)
+
+    def _release_locked(self, t: int, key: ChunkKey, offset: int, value_bytes: int) -> None:
+        tier = self.tiers[t]
+        tier.forget(SlotRun(offset, (key,), value_bytes))
+        tier.release(offset, 1)
+
+    def _unbusy(self, keys: list[ChunkKey]) -> None:
+        with self._lock:
+            for key in keys:
+                e = self._index.get(key)
+                if e is None:
+                    continue
+                e.busy -= 1
+                if e.doomed and not e.busy:
+                    self._drop_locked(key, e)
+
+    # -- failures ------------------------------------------------------------------------
+
+    def _read_failed(self, t: int, run: SlotRun, exc: TierError) -> None:
+        corrupt = isinstance(exc, CorruptChunkError)
+        self._tier_failed(t, "read", exc, run.n)
+        # A run that failed to read is never served again: its chunks become misses.
+        with self._lock:
+            for key in run.keys:
+                e = self._index.get(key)
+                if e is not None:
+                    e.doomed = True
+            if corrupt:
+                self._c["corrupt_chunks"] += run.n
+        if corrupt:
+            self._emit(StoreEvent(EventKind.CORRUPT, self.tiers[t].name, run.n, run.nbytes, str(exc)))
+
+    def _tier_failed(self, t: int, op: str, exc: TierError, n: int) -> None:
+        name = self.tiers[t].name
+        with self._lock:
+            self._c["tier_errors"] += 1
+            seen = self._logged.get((name, op), 0)
+            self._logged[(name, op)] = seen + 1
+        # Log the first failure of each kind, then one in a thousand: a dying disk must
+        # not flood the engine's log.
+        if seen % 1000 == 0:
+            log.warning(
+                "tier %s %s failed for %d chunk(s), served as a miss (%d so far): %s",
+                name, op, n, seen + 1, exc,
+            )
+        self._emit(StoreEvent(EventKind.TIER_ERROR, name, n, 0, f"{op}: {exc}"))
+
+    def _emit(self, event: StoreEvent) -> None:
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:  # a listener's bug must not break a store operation
+                log.exception("store listener failed on %s", event.kind.value)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("the store is closed")
+
+    def _recover(self) -> None:
+        for t, tier in enumerate(self.tiers):
+            recovered = 0
+            for run in tier.recover():
+                for j, key in enumerate(run.keys):
+                    if key in self._index:  # a copy in a higher tier wins
+                        tier.forget(SlotRun(run.offset + j, (key,), run.value_bytes))
+                        tier.release(run.offset + j, 1)
+                        continue
+                    self._index[key] = _Entry(t, run.offset + j, run.value_bytes)
+                    self._evict[t].insert(key, run.value_bytes)
+                    recovered += 1
+            if recovered:
+                log.info("tier %s: recovered %d chunks", tier.name, recovered)
+
+
+def _contiguous_groups(items: list[tuple[int, ChunkKey]]) -> list[tuple[int, list[ChunkKey]]]:
+    """Split (index in caller buffer, key) pairs into runs of consecutive indices."""
+    out: list[tuple[int, list[ChunkKey]]] = []
+    for idx, key in items:
+        if out and out[-1][0] + len(out[-1][1]) == idx:
+            out[-1][1].append(key)
+        else:
+            out.append((idx, [key]))
+    return out

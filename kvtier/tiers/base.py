@@ -1,0 +1,232 @@
+"""The tier contract: a storage level that allocates extents and moves slot bytes.
+
+A tier owns a :class:`~kvtier.alloc.BuddyAllocator` over its capacity, in units of one
+*slot* (a chunk's bytes rounded up to 4 KiB, so every slot suits O_DIRECT and DMA). The
+store decides what goes where; a tier only keeps bytes at offsets.
+
+Subclasses implement two methods, :meth:`Tier._write` and :meth:`Tier._read`. Optional
+hooks (:meth:`Tier.recover`, :meth:`Tier.flush`, :meth:`Tier.close`) are no-ops here.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.alloc import BuddyAllocator, Extent
+from kvtier.errors import InputError
+from kvtier.keys import ChunkKey
+from kvtier.units import align_up
+
+SLOT_ALIGN = 4096
+"""Slots and extents are aligned to 4 KiB: the O_DIRECT and DMA granule."""
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRun:
+    """A run of consecutive slots holding consecutive chunks of equal length.
+
+    Attributes:
+        offset: first slot, in slots from the start of the tier.
+        keys: the chunks, one per slot, in order.
+        value_bytes: bytes of each chunk's value (<= the tier's slot size). The caller's
+            buffer holds the values packed: ``len(keys) * value_bytes`` bytes.
+    """
+
+    offset: int
+    keys: tuple[ChunkKey, ...]
+    value_bytes: int
+
+    @property
+    def n(self) -> int:
+        return len(self.keys)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.keys) * self.value_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class TierProfile:
+    """What one tier costs and how fast it is; read by placement policies.
+
+    Attributes:
+        latency_s: time to first byte of a read.
+        bandwidth_Bps: sustained bytes per second of large transfers.
+        cost_per_gb_month: storage price in $/GB-month.
+        endurance_dwpd: drive writes per day the medium is rated for; 0 = unlimited.
+    """
+
+    latency_s: float = 0.0
+    bandwidth_Bps: float = 10e9
+    cost_per_gb_month: float = 0.0
+    endurance_dwpd: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """Counters of one tier (monotonic counters plus current occupancy)."""
+
+    name: str
+    kind: str
+    capacity_bytes: int
+    used_bytes: int
+    slot_bytes: int
+    allocated_extents: int
+    external_fragmentation: float
+    bytes_written: int
+    bytes_read: int
+    write_ops: int
+    read_ops: int
+    emulated: bool
+
+
+class Tier(ABC):
+    """One storage level.
+
+    Thread-safety: allocation calls take the tier's lock; ``write``/``read`` of
+    disjoint slot runs may run concurrently from the store's I/O threads. The store
+    never reads or writes a run it has not allocated.
+
+    Args:
+        name: the tier's name in stats and logs.
+        capacity_bytes: bytes the tier may hold (rounded down to whole slots).
+        slot_bytes: bytes of one chunk value; rounded up to :data:`SLOT_ALIGN`.
+        max_extent_bytes: the cap on one extent.
+    """
+
+    kind: str = "abstract"
+    emulated: bool = False
+
+    def __init__(
+        self,
+        name: str,
+        capacity_bytes: int,
+        slot_bytes: int,
+        max_extent_bytes: int,
+        profile: TierProfile | None = None,
+    ) -> None:
+        if slot_bytes < 1:
+            raise InputError(f"tier {name}: slot_bytes must be >= 1, got {slot_bytes}")
+        self.name = name
+        self.slot_bytes = align_up(slot_bytes, SLOT_ALIGN)
+        units = capacity_bytes // self.slot_bytes
+        if units < 1:
+            raise InputError(
+                f"tier {name}: capacity {capacity_bytes} B holds no slot of {self.slot_bytes} B"
+            )
+        max_order = max(0, (max_extent_bytes // self.slot_bytes).bit_length() - 1)
+        self.capacity_bytes = units * self.slot_bytes
+        self.profile = profile or TierProfile()
+        self._alloc = BuddyAllocator(units, max_order)
+        self._alloc_lock = threading.Lock()
+        self._stat_lock = threading.Lock()
+        self._bytes_written = 0
+        self._bytes_read = 0
+        self._write_ops = 0
+        self._read_ops = 0
+
+    # -- allocation (shared by every tier) --------------------------------------------------
+
+    @property
+    def capacity_slots(self) -> int:
+        return self._alloc.capacity_units
+
+    @property
+    def free_slots(self) -> int:
+        return self._alloc.free_units
+
+    @property
+    def max_extent_slots(self) -> int:
+        return 1 << self._alloc.max_order
+
+    def allocate(self, n_slots: int) -> list[Extent] | None:
+        """Extents for ``n_slots`` slots (binary decomposition), or None if they do not fit."""
+        with self._alloc_lock:
+            return self._alloc.allocate_run(n_slots)
+
+    def release(self, offset: int, n_slots: int) -> None:
+        """Free ``n_slots`` slots from ``offset``: a whole extent, its tail or one slot."""
+        with self._alloc_lock:
+            self._alloc.free(offset, n_slots)
+
+    # -- data movement ---------------------------------------------------------------------
+
+    def write(self, run: SlotRun, src: memoryview) -> None:
+        """Copy ``run.nbytes`` packed bytes from ``src`` into the run's slots. Blocking.
+
+        Raises:
+            TierIOError: the medium failed; nothing in the run may be trusted.
+        """
+        self._check(run, src)
+        self._write(run, src)
+        with self._stat_lock:
+            self._bytes_written += run.nbytes
+            self._write_ops += 1
+
+    def read(self, run: SlotRun, dst: memoryview) -> None:
+        """Copy the run's values, packed, into ``dst``. Blocking.
+
+        Raises:
+            TierIOError: the medium failed.
+            CorruptChunkError: a value failed verification; ``dst`` holds garbage.
+        """
+        self._check(run, dst)
+        self._read(run, dst)
+        with self._stat_lock:
+            self._bytes_read += run.nbytes
+            self._read_ops += 1
+
+    def _check(self, run: SlotRun, buf: memoryview) -> None:
+        if run.value_bytes > self.slot_bytes:
+            raise InputError(f"value of {run.value_bytes} B exceeds slot of {self.slot_bytes} B")
+        if buf.nbytes != run.nbytes:
+            raise InputError(f"buffer of {buf.nbytes} B for a run of {run.nbytes} B")
+
+    @abstractmethod
+    def _write(self, run: SlotRun, src: memoryview) -> None:
+        """Store the packed values of ``run`` from ``src`` (a flat, byte-format view)."""
+
+    @abstractmethod
+    def _read(self, run: SlotRun, dst: memoryview) -> None:
+        """Load the packed values of ``run`` into ``dst`` (a flat, writable byte view)."""
+
+    # -- optional hooks --------------------------------------------------------------------
+
+    def recover(self) -> Sequence[SlotRun]:
+        """Chunks that survived a restart (persistent tiers). Default: none.
+
+        Called once, by the store, before any other call. Returned runs are already
+        allocated in this tier's allocator.
+        """
+        return ()
+
+    def forget(self, run: SlotRun) -> None:  # noqa: B027 - optional hook
+        """Called before the store releases a run's slots (persistent tiers journal it)."""
+
+    def flush(self) -> None:  # noqa: B027 - optional hook
+        """Make everything written so far durable. Default: nothing to do."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the tier's resources. Idempotent."""
+
+    def stats(self) -> TierStats:
+        with self._alloc_lock:
+            a = self._alloc.stats()
+        with self._stat_lock:
+            return TierStats(
+                name=self.name,
+                kind=self.kind,
+                capacity_bytes=self.capacity_bytes,
+                used_bytes=a.used_units * self.slot_bytes,
+                slot_bytes=self.slot_bytes,
+                allocated_extents=a.allocated_blocks,
+                external_fragmentation=a.external_fragmentation,
+                bytes_written=self._bytes_written,
+                bytes_read=self._bytes_read,
+                write_ops=self._write_ops,
+                read_ops=self._read_ops,
+                emulated=self.emulated,
+            )
