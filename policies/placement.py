@@ -115,7 +115,7 @@ class CostAwarePlacement(PlacementPolicy):
             raise ConfigError("placement.tiers", len(tiers), f"{len(capacities_bytes)} tier specs")
         self.tiers = tuple(tiers)
         self.econ = economics
-        self.tracker = tracker or ReuseTracker()
+        self.tracker = tracker or ReuseTracker(clock=clock)
         self.clock = clock
         if budgets is None:
             budgets = {

@@ -4,20 +4,26 @@ Evidence comes from what the store reports to its placement policy:
 
 * **hit counts and prefix sharing**: every lookup that reaches a chunk (a hit, or a
   miss of a chunk another request also carried) is one more reference;
-* **a learned table**: for each class of chunk (references so far, capped), the fraction
-  of chunks in that class that were referenced again. This is the reuse probability
-  the cost model uses; it adapts to the workload instead of being a constant;
+* **a learned table**: for each class of chunk (references so far, capped), the
+  probability that a chunk of that class is referenced again within ``horizon_s``.
+  This is the reuse probability the cost model uses; it adapts to the workload;
 * **ghost list**: chunks the policy dropped. A ghost that comes back is a regret; the
-  regret rate is reported, and the ghost's history (its reference count) is kept so a
-  returning chunk is judged on all its evidence.
+  count is reported, and the chunk keeps its reference count so it is judged on all its
+  evidence when it returns.
+
+The table is estimated without the lag bias of naive counting (which counts every new
+chunk at once but its reuse only later, so early estimates come out far too low): a
+chunk's outcome is counted once it is *resolved*, either referenced again within the
+horizon (a success) or ``horizon_s`` old without a reference (a failure).
 
 Not thread-safe on its own: the store calls placement hooks under its lock.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvtier.keys import ChunkKey
@@ -40,41 +46,75 @@ class ReuseTracker:
     """Per-chunk reference counts and a learned reuse probability per count class.
 
     Args:
-        max_tracked: keys remembered (oldest forgotten first); bounds memory.
+        horizon_s: reuse within this many seconds counts as reuse.
+        clock: seconds (trace time in a simulation).
+        max_tracked: keys remembered (least recently referenced forgotten first).
         max_ghosts: dropped keys remembered.
         prior: pseudo-counts (reused, not reused) of the Beta prior of every class.
     """
 
     def __init__(
         self,
+        horizon_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
         max_tracked: int = 1 << 20,
         max_ghosts: int = 1 << 18,
-        prior: tuple[float, float] = (1.0, 3.0),
+        prior: tuple[float, float] = (1.0, 1.0),
     ) -> None:
-        self._refs: OrderedDict[ChunkKey, int] = OrderedDict()
+        self.horizon_s = horizon_s
+        self._clock = clock
+        # key -> (references so far, time of the last one)
+        self._refs: OrderedDict[ChunkKey, tuple[int, float]] = OrderedDict()
         self._ghosts: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._pending: deque[tuple[float, ChunkKey, int]] = deque()
         self._max_tracked = max_tracked
         self._max_ghosts = max_ghosts
         self._prior = prior
-        # entered[c]: chunks that reached c references; again[c]: of those, reached c + 1.
-        self._entered = [0] * (MAX_CLASS + 1)
-        self._again = [0] * (MAX_CLASS + 1)
+        self._resolved = [0] * (MAX_CLASS + 1)
+        self._reused = [0] * (MAX_CLASS + 1)
+        self._table = [self._p(c) for c in range(MAX_CLASS + 1)]
         self.ghost_hits = 0
+
+    def _p(self, c: int) -> float:
+        a, b = self._prior
+        return (self._reused[c] + a) / (self._resolved[c] + a + b)
+
+    def _expire(self, now: float) -> None:
+        """Chunks unreferenced for a whole horizon resolve as failures."""
+        pending, refs, horizon = self._pending, self._refs, self.horizon_s
+        changed = False
+        while pending and now - pending[0][0] > horizon:
+            t, key, n = pending.popleft()
+            state = refs.get(key)
+            if state is not None and state[1] == t and state[0] == n:
+                self._resolved[min(n, MAX_CLASS)] += 1
+                changed = True
+        if changed:
+            self._table = [self._p(c) for c in range(MAX_CLASS + 1)]
 
     def reference(self, keys: Iterable[ChunkKey]) -> None:
         """One more reference to each key (a lookup reached it, hit or miss)."""
-        refs, entered, again = self._refs, self._entered, self._again
+        now = self._clock()
+        self._expire(now)
+        refs, ghosts = self._refs, self._ghosts
+        changed = False
         for key in keys:
-            n = refs.pop(key, 0)
-            if n:
-                again[min(n, MAX_CLASS)] += 1
-            elif key in self._ghosts:
+            n, last = refs.pop(key, (0, 0.0))
+            if n and now - last <= self.horizon_s:
+                c = min(n, MAX_CLASS)
+                self._resolved[c] += 1
+                self._reused[c] += 1
+                changed = True
+            if key in ghosts:
+                del ghosts[key]
                 self.ghost_hits += 1
             n += 1
-            entered[min(n, MAX_CLASS)] += 1
-            refs[key] = n
+            refs[key] = (n, now)
+            self._pending.append((now, key, n))
         while len(refs) > self._max_tracked:
             refs.popitem(last=False)
+        if changed:
+            self._table = [self._p(c) for c in range(MAX_CLASS + 1)]
 
     def dropped(self, keys: Iterable[ChunkKey]) -> None:
         """The policy dropped these keys from the store (they enter the ghost list)."""
@@ -87,26 +127,25 @@ class ReuseTracker:
 
     def refs(self, key: ChunkKey) -> int:
         """References seen so far (0 for a key never seen)."""
-        return self._refs.get(key, 0)
+        return self._refs.get(key, (0, 0.0))[0]
 
     def class_probability(self, refs: int) -> float:
         """Learned probability that a chunk with ``refs`` references gets another one."""
-        c = min(max(refs, 1), MAX_CLASS)
-        a, b = self._prior
-        return (self._again[c] + a) / (self._entered[c] + a + b)
+        return self._table[min(max(refs, 1), MAX_CLASS)]
 
     def probability(self, key: ChunkKey) -> float:
         """Reuse probability of one key, from its class."""
-        return self.class_probability(self._refs.get(key, 1))
+        return self.class_probability(self.refs(key))
 
     def mean_probability(self, keys: Iterable[ChunkKey]) -> tuple[float, int]:
         """Sum of reuse probabilities of ``keys``, and how many there were."""
-        refs = self._refs
-        table = [self.class_probability(c) for c in range(MAX_CLASS + 1)]
+        refs, table = self._refs, self._table
         total = 0.0
         n = 0
         for key in keys:
-            total += table[min(max(refs.get(key, 1), 1), MAX_CLASS)]
+            state = refs.get(key)
+            c = 1 if state is None else min(max(state[0], 1), MAX_CLASS)
+            total += table[c]
             n += 1
         return total, n
 

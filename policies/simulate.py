@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -28,9 +28,10 @@ from kvtier.store import TieredStore
 from kvtier.store.policy import EvictionFactory, PlacementPolicy, WriteThrough, eviction_factory
 from kvtier.tiers.meta import MetaTier
 
-from .placement import CostAwarePlacement, Economics
+from .placement import CostAwarePlacement, Economics, PlacementStats
 from .profiles import SECONDS_PER_MONTH, Hardware, Medium, TierSpec
 from .recompute import ModelCompute, Recompute
+from .reuse import ReuseStats
 from .trace import Trace
 
 STAND_IN_BYTES = 4096
@@ -119,6 +120,8 @@ class SimResult:
     ssd_wear_pct_per_year: float | None
     wall_s: float
     requests_per_s: float
+    placement: PlacementStats | None
+    reuse: ReuseStats | None
     ttft_s: np.ndarray = field(repr=False, compare=False)
 
 
@@ -174,7 +177,7 @@ def build(
     else:
         placement = WriteThrough()
         eviction = eviction_factory("arc" if cfg.policy.startswith("arc") else "lru")
-    store = TieredStore(tiers, eviction=eviction, placement=placement, io_threads=1,
+    store = TieredStore(tiers, eviction=eviction, placement=placement, io_threads=0,
                         promote_on_hit=cfg.promote_on_hit)
     return store, specs, placement
 
@@ -182,7 +185,7 @@ def build(
 def simulate(cfg: SimConfig, trace: Trace) -> SimResult:
     """Replay ``trace`` through the real store under ``cfg``. Deterministic."""
     now = [trace.requests[0].t_s if trace.requests else 0.0]
-    store, specs, _ = build(cfg, trace, lambda: now[0])
+    store, specs, placement = build(cfg, trace, lambda: now[0])
     rc = Recompute(cfg.model, cfg.hardware.gpu)
     bt = trace.block_tokens
     chunk_bytes = cfg.model.kv.chunk_bytes(bt)
@@ -213,7 +216,6 @@ def simulate(cfg: SimConfig, trace: Trace) -> SimResult:
                     store.get(keys[:hits], view[: hits * STAND_IN_BYTES]).result()
                 if hits < n:
                     store.put(keys[hits:], view[: (n - hits) * STAND_IN_BYTES]).result()
-                store.flush()  # background promotions finish before the next request
             cached = min(hits * bt, r.input_tokens)
             compute = rc.prefill_s(r.input_tokens, cached)
             load = sum(load_s[t][k] for t, k in enumerate(per_tier) if k)
@@ -227,8 +229,11 @@ def simulate(cfg: SimConfig, trace: Trace) -> SimResult:
         st = store.stats()
     finally:
         store.close()
-    return _result(cfg, trace, specs, st, chunk_bytes, chunks, hit_tokens, tokens, gpu_s,
-                   ttft, base, wall, rc)
+    res = _result(cfg, trace, specs, st, chunk_bytes, chunks, hit_tokens, tokens, gpu_s,
+                  ttft, base, wall, rc)
+    if isinstance(placement, CostAwarePlacement):
+        res = replace(res, placement=placement.stats(), reuse=placement.tracker.stats())
+    return res
 
 
 def _result(cfg: SimConfig, trace: Trace, specs: Sequence[TierSpec], st: object, chunk_bytes: int,
@@ -279,5 +284,6 @@ def _result(cfg: SimConfig, trace: Trace, specs: Sequence[TierSpec], st: object,
         gpu_prefill_s=gpu_s, storage_cost_per_month=storage, gpu_cost_per_month=gpu_cost,
         cost_per_month=storage + gpu_cost, ssd_bytes_written=ssd_written,
         ssd_wear_pct_per_year=ssd_wear, wall_s=wall,
-        requests_per_s=len(trace.requests) / wall if wall > 0 else float("inf"), ttft_s=ttft,
+        requests_per_s=len(trace.requests) / wall if wall > 0 else float("inf"),
+        placement=None, reuse=None, ttft_s=ttft,
     )

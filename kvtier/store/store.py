@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 Buffer = memoryview | bytes | bytearray | np.ndarray
 Listener = Callable[[StoreEvent], None]
+T = TypeVar("T")
 
 _MAKE_ROOM_ROUNDS = 8  # bounded retries when concurrent puts race for freed space
 
@@ -117,7 +119,9 @@ class TieredStore:
         tiers: the hierarchy, top first. The store owns them and closes them.
         eviction: builds one eviction policy per tier (default LRU).
         placement: admission and demotion decisions (default: keep everything).
-        io_threads: threads that move bytes.
+        io_threads: threads that move bytes; 0 runs every operation on the caller's
+            thread (a synchronous fast path for metadata-only simulation, where the
+            thread hand-offs would cost more than the work).
         promote_on_hit: move chunks hit in a lower tier back to the top, in the background.
     """
 
@@ -140,7 +144,11 @@ class TieredStore:
         self._index: dict[ChunkKey, _Entry] = {}
         self._pending: set[ChunkKey] = set()
         self._lock = threading.RLock()
-        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
+        self._pool: ThreadPoolExecutor | _InlineExecutor = (
+            ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
+            if io_threads > 0
+            else _InlineExecutor()
+        )
         self._listeners: list[Listener] = []
         self._closed = False
         self._c: dict[str, int] = dict.fromkeys(
@@ -668,6 +676,21 @@ class TieredStore:
                     recovered += 1
             if recovered:
                 log.info("tier %s: recovered %d chunks", tier.name, recovered)
+
+
+class _InlineExecutor:
+    """Runs each submitted call at once on the caller's thread (``io_threads=0``)."""
+
+    def submit(self, fn: Callable[..., T], /, *args: object) -> Future[T]:
+        fut: Future[T] = Future()
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:  # the caller sees it through the future, as with a pool
+            fut.set_exception(exc)
+        return fut
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
 
 
 def _contiguous_groups(items: list[tuple[int, ChunkKey]]) -> list[tuple[int, list[ChunkKey]]]:
