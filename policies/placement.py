@@ -141,14 +141,20 @@ class CostAwarePlacement(PlacementPolicy):
 
     # -- the model ------------------------------------------------------------------------
 
-    def benefit(self, tier: int, keys: Sequence[ChunkKey]) -> float:
-        """Net $ of keeping ``keys`` in ``tier`` (positive: worth it)."""
-        p_sum, n = self.tracker.mean_probability(keys)
+    def benefit(self, tier: int, keys: Sequence[ChunkKey], *, victims: bool = False) -> float:
+        """Net $ of keeping ``keys`` in ``tier`` (positive: worth it).
+
+        ``victims``: the keys are being evicted, so their learned victim odds apply.
+        """
+        if victims:
+            p_sum, n = self.tracker.mean_victim_probability(keys)
+        else:
+            p_sum, n = self.tracker.mean_probability(keys)
         return p_sum * self._gain[tier] - n * self._cost[tier]
 
-    def _place(self, tier: int, keys: Sequence[ChunkKey]) -> bool:
+    def _place(self, tier: int, keys: Sequence[ChunkKey], *, victims: bool = False) -> bool:
         """Worth it and within the write budget (which is spent when granted)."""
-        if self.benefit(tier, keys) <= 0:
+        if self.benefit(tier, keys, victims=victims) <= 0:
             return False
         budget = self.budgets.get(tier)
         if budget is not None and not budget.try_spend(len(keys) * self.econ.chunk_bytes):
@@ -169,8 +175,9 @@ class CostAwarePlacement(PlacementPolicy):
 
     @override
     def demote_target(self, tier: int, n_tiers: int, keys: Sequence[ChunkKey]) -> int | None:
+        self.tracker.victims(keys)
         for target in range(tier + 1, n_tiers):
-            if self._place(target, keys):
+            if self._place(target, keys, victims=True):
                 self._c.demoted_to[target] += len(keys)
                 return target
         self._c.dropped += len(keys)

@@ -7,6 +7,10 @@ Evidence comes from what the store reports to its placement policy:
 * **a learned table**: for each class of chunk (references so far, capped), the
   probability that a chunk of that class is referenced again within ``horizon_s``.
   This is the reuse probability the cost model uses; it adapts to the workload;
+* **victim outcomes**: chunks chosen as eviction victims are old, so their reuse odds
+  are lower than their class's average; the tracker learns, per class, how often a
+  victim is referenced again within the horizon (whether it was demoted or dropped),
+  and placement decides demotions with that figure once it has enough samples;
 * **ghost list**: chunks the policy dropped. A ghost that comes back is a regret; the
   count is reported, and the chunk keeps its reference count so it is judged on all its
   evidence when it returns.
@@ -40,6 +44,7 @@ class ReuseStats:
     ghosts: int
     ghost_hits: int
     class_probability: tuple[float, ...]
+    victim_probability: tuple[float | None, ...]
 
 
 class ReuseTracker:
@@ -73,6 +78,12 @@ class ReuseTracker:
         self._resolved = [0] * (MAX_CLASS + 1)
         self._reused = [0] * (MAX_CLASS + 1)
         self._table = [self._p(c) for c in range(MAX_CLASS + 1)]
+        # Victim episodes: key -> (time it was a victim, class); resolved like classes.
+        self._victims: dict[ChunkKey, tuple[float, int]] = {}
+        self._victim_queue: deque[tuple[float, ChunkKey]] = deque()
+        self._v_resolved = [0] * (MAX_CLASS + 1)
+        self._v_reused = [0] * (MAX_CLASS + 1)
+        self.min_victim_samples = 100
         self.ghost_hits = 0
 
     def _p(self, c: int) -> float:
@@ -91,6 +102,13 @@ class ReuseTracker:
                 changed = True
         if changed:
             self._table = [self._p(c) for c in range(MAX_CLASS + 1)]
+        vq, victims = self._victim_queue, self._victims
+        while vq and now - vq[0][0] > horizon:
+            t, key = vq.popleft()
+            episode = victims.get(key)
+            if episode is not None and episode[0] == t:
+                del victims[key]
+                self._v_resolved[episode[1]] += 1
 
     def reference(self, keys: Iterable[ChunkKey]) -> None:
         """One more reference to each key (a lookup reached it, hit or miss)."""
@@ -108,6 +126,10 @@ class ReuseTracker:
             if key in ghosts:
                 del ghosts[key]
                 self.ghost_hits += 1
+            episode = self._victims.pop(key, None)
+            if episode is not None:
+                self._v_resolved[episode[1]] += 1
+                self._v_reused[episode[1]] += 1
             n += 1
             refs[key] = (n, now)
             self._pending.append((now, key, n))
@@ -115,6 +137,36 @@ class ReuseTracker:
             refs.popitem(last=False)
         if changed:
             self._table = [self._p(c) for c in range(MAX_CLASS + 1)]
+
+    def victims(self, keys: Iterable[ChunkKey]) -> None:
+        """These keys were chosen as eviction victims (their outcome is learned)."""
+        now = self._clock()
+        for key in keys:
+            if key not in self._victims:
+                self._victims[key] = (now, min(max(self.refs(key), 1), MAX_CLASS))
+                self._victim_queue.append((now, key))
+
+    def victim_probability(self, refs: int) -> float | None:
+        """Learned reuse probability of a victim of this class; None until enough samples."""
+        c = min(max(refs, 1), MAX_CLASS)
+        if self._v_resolved[c] < self.min_victim_samples:
+            return None
+        a, b = self._prior
+        return (self._v_reused[c] + a) / (self._v_resolved[c] + a + b)
+
+    def mean_victim_probability(self, keys: Iterable[ChunkKey]) -> tuple[float, int]:
+        """Like :meth:`mean_probability`, with victim odds where learned."""
+        table = [self.victim_probability(c) for c in range(MAX_CLASS + 1)]
+        refs = self._refs
+        total = 0.0
+        n = 0
+        for key in keys:
+            state = refs.get(key)
+            c = 1 if state is None else min(max(state[0], 1), MAX_CLASS)
+            p = table[c]
+            total += self._table[c] if p is None else p
+            n += 1
+        return total, n
 
     def dropped(self, keys: Iterable[ChunkKey]) -> None:
         """The policy dropped these keys from the store (they enter the ghost list)."""
@@ -155,4 +207,7 @@ class ReuseTracker:
             ghosts=len(self._ghosts),
             ghost_hits=self.ghost_hits,
             class_probability=tuple(self.class_probability(c) for c in range(1, MAX_CLASS + 1)),
+            victim_probability=tuple(
+                self.victim_probability(c) for c in range(1, MAX_CLASS + 1)
+            ),
         )

@@ -28,6 +28,7 @@ from kvtier.store import TieredStore
 from kvtier.store.policy import EvictionFactory, PlacementPolicy, WriteThrough, eviction_factory
 from kvtier.tiers.meta import MetaTier
 
+from .eviction import CostAwareEviction
 from .placement import CostAwarePlacement, Economics, PlacementStats
 from .profiles import SECONDS_PER_MONTH, Hardware, Medium, TierSpec
 from .recompute import ModelCompute, Recompute
@@ -65,6 +66,7 @@ class SimConfig:
     horizon_s: float = 0.0
     budget_window_s: float = 3600.0
     promote_on_hit: bool = True
+    eviction: str = "lru"
 
     def __post_init__(self) -> None:
         if len(self.capacities_bytes) != len(self.hardware.tiers):
@@ -138,6 +140,16 @@ def chunk_recompute_s(trace: Trace, rc: Recompute) -> float:
     return float(np.mean([rc.chunk_s(bt, int(p)) for p in pos[:: max(len(pos) // 4000, 1)]]))
 
 
+def cost_eviction(placement: CostAwarePlacement) -> EvictionFactory:
+    """Cost-aware eviction scored by the placement's reuse odds (benefit per byte)."""
+    tracker = placement.tracker
+
+    def score(key: ChunkKey, nbytes: int, hits: int) -> float:
+        return tracker.probability(key)
+
+    return CostAwareEviction.with_score(score)
+
+
 def key_of(block: int) -> ChunkKey:
     return ChunkKey(block.to_bytes(16, "little", signed=False))
 
@@ -162,24 +174,35 @@ def build(
     if not tiers:
         raise InputError("no tier has room for one chunk of "
                          f"{chunk_bytes} B; raise the capacities")
-    placement: PlacementPolicy
-    eviction: EvictionFactory
+    placement, eviction = make_policies(cfg, trace, specs, caps, clock)
+    store = TieredStore(tiers, eviction=eviction, placement=placement, io_threads=0,
+                        promote_on_hit=cfg.promote_on_hit)
+    return store, specs, placement
+
+
+def make_policies(
+    cfg: SimConfig,
+    trace: Trace,
+    specs: Sequence[TierSpec],
+    caps: Sequence[int],
+    clock: Callable[[], float],
+) -> tuple[PlacementPolicy, EvictionFactory]:
+    """The placement policy and eviction factory of ``cfg.policy`` for these tiers."""
     if cfg.policy == "kvtier":
+        rc = Recompute(cfg.model, cfg.hardware.gpu)
         econ = Economics(
-            chunk_bytes=chunk_bytes,
+            chunk_bytes=cfg.model.kv.chunk_bytes(trace.block_tokens),
             recompute_s=chunk_recompute_s(trace, rc),
             value_per_s=rc.cost_per_s + cfg.value_of_latency_per_s,
             horizon_s=cfg.horizon_s,
             window_s=cfg.budget_window_s,
         )
         placement = CostAwarePlacement(specs, caps, econ, clock=clock)
-        eviction = eviction_factory("lru")
-    else:
-        placement = WriteThrough()
-        eviction = eviction_factory("arc" if cfg.policy.startswith("arc") else "lru")
-    store = TieredStore(tiers, eviction=eviction, placement=placement, io_threads=0,
-                        promote_on_hit=cfg.promote_on_hit)
-    return store, specs, placement
+        if cfg.eviction == "cost":
+            return placement, cost_eviction(placement)
+        return placement, eviction_factory(cfg.eviction)
+    name = "arc" if cfg.policy.startswith("arc") else "lru"
+    return WriteThrough(), eviction_factory(name)
 
 
 def simulate(cfg: SimConfig, trace: Trace) -> SimResult:
