@@ -52,6 +52,10 @@ def _data_dir() -> Path:
     return Path("../shared/data/mooncake")
 
 
+def _met(flag: bool | None) -> str:
+    return "" if flag is None else ("yes" if flag else "no")
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="kvtier bench policy")
     ap.add_argument("--json", type=Path)
@@ -115,7 +119,7 @@ def main(argv: list[str]) -> int:
             print(f"{name:20} {variant:18} {r.hit_rate:6.3f} {r.ssd_bytes_written / 1e12:8.2f} "
                   f"{r.cost_per_month:9.0f} {row['hit_ratio'] or 0:6.3f} "
                   f"{row['ssd_write_ratio'] or 0:6.3f} {row['cost_ratio'] or 0:6.3f} "
-                  f"{'' if row['target_met'] is None else ('yes' if row['target_met'] else 'no'):>4} "
+                  f"{_met(row['target_met']):>4} "
                   f"{r.wall_s:7.1f}")
     conv = [s["wall_s"] for s in speed if s["trace"] == "conversation_trace"]
     speed_summary = {

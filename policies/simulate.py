@@ -158,7 +158,6 @@ def build(
     cfg: SimConfig, trace: Trace, clock: Callable[[], float]
 ) -> tuple[TieredStore, list[TierSpec], PlacementPolicy]:
     """The store and policy of one configuration (tiers with capacity 0 left out)."""
-    rc = Recompute(cfg.model, cfg.hardware.gpu)
     chunk_bytes = cfg.model.kv.chunk_bytes(trace.block_tokens)
     specs: list[TierSpec] = []
     tiers: list[MetaTier] = []
