@@ -115,6 +115,12 @@ def plan(
         if name not in names:
             raise InputError(f"capacity given for tier {name!r}; the hardware has {names}")
     chunk = model.kv.chunk_bytes(trace.block_tokens)
+    for name, cap in fixed.items():
+        if 0 < cap < chunk:
+            raise InputError(
+                f"capacity of tier {name!r} is {cap} B: it cannot hold one {chunk}-byte chunk "
+                f"of {model.name} (use 0 to leave the tier out)"
+            )
     ws = max(trace.unique_full_blocks() * chunk, chunk)
     lad = ladders(hw, ws)
     for i, name in enumerate(names):

@@ -275,10 +275,16 @@ def _result(cfg: SimConfig, trace: Trace, specs: Sequence[TierSpec], st: object,
     for spec, ts in zip(specs, st.tiers, strict=True):
         cap = ts.capacity_bytes / STAND_IN_BYTES * chunk_bytes
         written = ts.bytes_written * scale
+        day = written * per_day
         wear = None
         cost = cap / 1e9 * spec.cost_per_gb_month
         if spec.wears:
-            wear = 100.0 * written * per_day * 365.0 / spec.tbw_bytes(cap)
+            day = written * per_day
+            if cfg.policy == "kvtier":
+                # A trace shorter than the budget window extrapolates a burst to a whole
+                # day; the write budget never lets a day exceed its allowance.
+                day = min(day, spec.write_budget_Bps(cap) * 86400.0)
+            wear = 100.0 * day * 365.0 / spec.tbw_bytes(cap)
             # Writing faster than the rating wears drives out before the warranty ends:
             # replacements are bought sooner, in proportion.
             cost *= max(1.0, wear / 100.0 * spec.warranty_years)
@@ -290,7 +296,7 @@ def _result(cfg: SimConfig, trace: Trace, specs: Sequence[TierSpec], st: object,
         tier_results.append(TierResult(
             name=spec.name, medium=spec.medium.value, capacity_bytes=int(cap), hit_chunks=h,
             hit_rate=h / chunks if chunks else 0.0, bytes_written=written,
-            bytes_read=ts.bytes_read * scale, writes_per_day=written * per_day,
+            bytes_read=ts.bytes_read * scale, writes_per_day=day,
             wear_pct_per_year=wear, cost_per_month=cost,
         ))
     gpu_cost = gpu_s * rc.cost_per_s * per_month

@@ -100,6 +100,16 @@ def bench(
     raise typer.Exit(module.main(argv))
 
 
+def _register_calc() -> None:
+    # The sub-app module imports only typer and rich; kvtier.policies loads per command.
+    from kvtier.cli.calc import calc_app
+
+    app.add_typer(calc_app, name="calc")
+
+
+_register_calc()
+
+
 def main() -> None:
     """Entry point: turn kvtier errors into one clear line and exit status 2."""
     try:
