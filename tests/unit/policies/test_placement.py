@@ -88,7 +88,7 @@ def test_ssd_writes_never_exceed_the_budget(ops: list[tuple[float, int, int]],
                                             budget_chunks: int) -> None:
     clock = Clock()
     window = 600.0
-    store, placement, budget = make_store(6, 64, budget_chunks * VALUE, clock, window_s=window)
+    store, _, budget = make_store(6, 64, budget_chunks * VALUE, clock, window_s=window)
     convs: dict[int, list[int]] = {}
     next_id = 1000
     written: list[tuple[float, int]] = []  # (time, cumulative SSD bytes written)
