@@ -169,3 +169,19 @@ def test_promotion_from_a_wearing_tier_weighs_the_rewrite() -> None:
         assert not frugal.should_promote(1, keys)  # time is worth nothing: keep it down
     finally:
         store.close()
+
+
+def test_placement_for_live_tiers_budgets_the_ssd_only() -> None:
+    from kvtier.policies.wiring import placement_for_tiers
+    from kvtier.spec import PRESETS
+    from kvtier.tiers.base import TierProfile
+    from kvtier.tiers.meta import MetaTier
+
+    ssd_profile = TierProfile(80e-6, 14e9, 0.0025, endurance_dwpd=1.0)
+    tiers = [MetaTier("host", 64 * VALUE, VALUE, MAX_EXTENT),
+             MetaTier("ssd", 64 * VALUE, VALUE, MAX_EXTENT, ssd_profile)]
+    p = placement_for_tiers(tiers, PRESETS["llama-3-8b"], 256)
+    assert set(p.budgets) == {1}
+    with TieredStore(tiers, placement=p, io_threads=0) as store:
+        keys = [key(i) for i in range(8)]
+        assert store.put(keys, np.zeros(8 * VALUE, np.uint8)).result().stored == 8
