@@ -133,26 +133,30 @@ class CostAwareEviction(EvictionPolicy):
         """A zero-argument factory (what the store takes) bound to ``score``."""
         return lambda: cls(score)
 
-    def _push(self, key: ChunkKey) -> None:
-        nbytes, hits = self._meta[key]
-        entry = (self._inflation + self._score(key, nbytes, hits), next(self._seq))
-        self._live[key] = entry
-        heapq.heappush(self._heap, (entry[0], entry[1], key))
-        if len(self._heap) > 4 * len(self._live) + 64:  # drop stale entries now and then
-            self._heap = [(p, s, k) for p, s, k in self._heap if self._live.get(k) == (p, s)]
+    def _push(self, key: ChunkKey, nbytes: int, hits: int) -> None:
+        prio = self._inflation + self._score(key, nbytes, hits)
+        seq = next(self._seq)
+        self._live[key] = (prio, seq)
+        heap = self._heap
+        heapq.heappush(heap, (prio, seq, key))
+        if len(heap) > 4 * len(self._live) + 64:  # drop stale entries now and then
+            live = self._live
+            self._heap = [(p, s, k) for p, s, k in heap if live.get(k) == (p, s)]
             heapq.heapify(self._heap)
 
     @override
     def insert(self, key: ChunkKey, nbytes: int) -> None:
-        self._meta[key] = (nbytes, self._meta.get(key, (nbytes, 0))[1])
-        self._push(key)
+        meta = self._meta.get(key)
+        hits = meta[1] if meta is not None else 0
+        self._meta[key] = (nbytes, hits)
+        self._push(key, nbytes, hits)
 
     @override
     def touch(self, key: ChunkKey) -> None:
         meta = self._meta.get(key)
         if meta is not None:
             self._meta[key] = (meta[0], meta[1] + 1)
-            self._push(key)
+            self._push(key, meta[0], meta[1] + 1)
 
     @override
     def remove(self, key: ChunkKey) -> None:

@@ -187,7 +187,11 @@ class ReuseTracker:
 
     def probability(self, key: ChunkKey) -> float:
         """Reuse probability of one key, from its class."""
-        return self.class_probability(self.refs(key))
+        state = self._refs.get(key)
+        if state is None:
+            return self._table[1]
+        n = state[0]
+        return self._table[n if n < MAX_CLASS else MAX_CLASS]
 
     def mean_probability(self, keys: Iterable[ChunkKey]) -> tuple[float, int]:
         """Sum of reuse probabilities of ``keys``, and how many there were."""

@@ -142,10 +142,10 @@ def chunk_recompute_s(trace: Trace, rc: Recompute) -> float:
 
 def cost_eviction(placement: CostAwarePlacement) -> EvictionFactory:
     """Cost-aware eviction scored by the placement's reuse odds (benefit per byte)."""
-    tracker = placement.tracker
+    probability = placement.tracker.probability
 
     def score(key: ChunkKey, nbytes: int, hits: int) -> float:
-        return tracker.probability(key)
+        return probability(key)
 
     return CostAwareEviction.with_score(score)
 
