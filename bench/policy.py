@@ -24,6 +24,8 @@ Usage: ``kvtier bench policy [--json F] [--model M] [--hardware H] [--caps-gb 10
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -61,7 +63,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--model", default="llama-3-8b")
     ap.add_argument("--hardware", default="h200-dram-nvme")
-    ap.add_argument("--caps-gb", default="1000,8000", help="capacity per tier, GB")
+    ap.add_argument("--caps-gb", default="1000,8000;2000,8000",
+                    help="capacity per tier in GB; configurations separated by ';'")
     ap.add_argument("--limit", type=int, default=None, help="first N requests of each trace")
     ap.add_argument("--validate-requests", type=int, default=1500)
     ap.add_argument("--traces", default=",".join(TRACES))
@@ -69,19 +72,21 @@ def main(argv: list[str]) -> int:
 
     model = model_compute(args.model)
     hw = load_hardware(args.hardware)
-    caps = tuple(int(float(x) * 1e9) for x in args.caps_gb.split(","))
+    configs = [tuple(int(float(x) * 1e9) for x in c.split(",")) for c in args.caps_gb.split(";")]
     rows: list[dict[str, Any]] = []
     speed: list[dict[str, Any]] = []
     print(f"{'trace':20} {'policy':18} {'hit':>6} {'ssd TB':>8} {'$/month':>9} "
-          f"{'hit x':>6} {'ssd x':>6} {'cost x':>6} {'met':>4} {'wall s':>7}")
-    for name in args.traces.split(","):
-        trace = load_trace(_data_dir() / f"{name}.jsonl", limit=args.limit)
+          f"{'hit x':>6} {'ssd x':>6} {'cost x':>6} {'met':>4} {'wall s':>7} {'cpu s':>6}")
+    traces = {n: load_trace(_data_dir() / f"{n}.jsonl", limit=args.limit)
+              for n in args.traces.split(",")}
+    for (name, trace), caps in itertools.product(traces.items(), configs):
         base: dict[str, Any] | None = None
         for variant, kw in VARIANTS.items():
             r = simulate(SimConfig(model, hw, caps, **kw), trace)
             row: dict[str, Any] = {
                 "trace": name,
                 "policy": variant,
+                "capacities_bytes": list(caps),
                 "hit_rate": r.hit_rate,
                 "ssd_bytes_written": r.ssd_bytes_written,
                 "cost": r.cost_per_month,
@@ -94,6 +99,7 @@ def main(argv: list[str]) -> int:
                 "ttft_p99_s": r.ttft_p99_s,
                 "requests": r.requests,
                 "wall_s": r.wall_s,
+                "cpu_s": r.cpu_s,
                 "requests_per_s": r.requests_per_s,
             }
             if r.placement is not None:
@@ -115,18 +121,24 @@ def main(argv: list[str]) -> int:
             ) if variant.startswith("kvtier") else None
             rows.append(row)
             speed.append({"trace": name, "policy": variant, "requests": r.requests,
-                          "wall_s": r.wall_s, "requests_per_s": r.requests_per_s})
-            print(f"{name:20} {variant:18} {r.hit_rate:6.3f} {r.ssd_bytes_written / 1e12:8.2f} "
+                          "wall_s": r.wall_s, "cpu_s": r.cpu_s,
+                          "requests_per_s": r.requests_per_s})
+            cap_s = "+".join(f"{c / 1e12:g}" for c in caps)
+            label = f"{name[:12]} {cap_s}TB"
+            print(f"{label:20} {variant:18} {r.hit_rate:6.3f} {r.ssd_bytes_written / 1e12:8.2f} "
                   f"{r.cost_per_month:9.0f} {row['hit_ratio'] or 0:6.3f} "
                   f"{row['ssd_write_ratio'] or 0:6.3f} {row['cost_ratio'] or 0:6.3f} "
                   f"{_met(row['target_met']):>4} "
-                  f"{r.wall_s:7.1f}")
+                  f"{r.wall_s:7.1f} {r.cpu_s:6.1f}")
     conv = [s["wall_s"] for s in speed if s["trace"] == "conversation_trace"]
+    conv_cpu = [s["cpu_s"] for s in speed if s["trace"] == "conversation_trace"]
     speed_summary = {
         "configs": speed,
         "max_wall_s_conversation": max(conv) if conv else None,
+        "max_cpu_s_conversation": max(conv_cpu) if conv_cpu else None,
         "bound_s": SPEED_BOUND_S,
         "within_bound": bool(conv) and max(conv) <= SPEED_BOUND_S and args.limit is None,
+        "load_average": list(os.getloadavg()),
     }
     validations: list[dict[str, Any]] = []
     ok = True
@@ -143,11 +155,13 @@ def main(argv: list[str]) -> int:
             print(f"validate {variant:18} lower={v.lower_kind} predicted={v.predicted} "
                   f"measured={v.measured} max diff {v.max_abs_diff_points:.2f} pts, "
                   f"{v.verified_chunks} hits verified, {v.corrupt_chunks} wrong")
-    print(f"simulator: max {speed_summary['max_wall_s_conversation']:.1f} s per configuration "
-          f"on the conversation trace (bound {SPEED_BOUND_S:.0f} s)")
+    if conv:
+        print(f"simulator: max {max(conv):.1f} s wall, {max(conv_cpu):.1f} s CPU per "
+              f"configuration on the conversation trace (bound {SPEED_BOUND_S:.0f} s); "
+              f"load average {os.getloadavg()[0]:.1f}")
     write_json(args.json, envelope(
         "policy", rows, model=args.model, hardware=hw.name,
-        capacities_bytes=list(caps), speed=speed_summary, validation=validations,
+        capacities_bytes=[list(c) for c in configs], speed=speed_summary, validation=validations,
     ))
     return 0 if ok else 1
 

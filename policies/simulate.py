@@ -121,6 +121,7 @@ class SimResult:
     ssd_bytes_written: float
     ssd_wear_pct_per_year: float | None
     wall_s: float
+    cpu_s: float
     requests_per_s: float
     placement: PlacementStats | None
     reuse: ReuseStats | None
@@ -222,6 +223,7 @@ def simulate(cfg: SimConfig, trace: Trace) -> SimResult:
     chunks = hit_tokens = tokens = 0
     gpu_s = 0.0
     t0 = time.perf_counter()
+    c0 = time.process_time()
     try:
         for i, r in enumerate(trace.requests):
             now[0] = r.t_s
@@ -248,11 +250,13 @@ def simulate(cfg: SimConfig, trace: Trace) -> SimResult:
             hit_tokens += cached
             tokens += r.input_tokens
         wall = time.perf_counter() - t0
+        cpu = time.process_time() - c0
         st = store.stats()
     finally:
         store.close()
     res = _result(cfg, trace, specs, st, chunk_bytes, chunks, hit_tokens, tokens, gpu_s,
                   ttft, base, wall, rc)
+    res = replace(res, cpu_s=cpu)
     if isinstance(placement, CostAwarePlacement):
         res = replace(res, placement=placement.stats(), reuse=placement.tracker.stats())
     return res
@@ -311,7 +315,7 @@ def _result(cfg: SimConfig, trace: Trace, specs: Sequence[TierSpec], st: object,
         recompute_ttft_p99_s=float(np.percentile(base, 99)),
         gpu_prefill_s=gpu_s, storage_cost_per_month=storage, gpu_cost_per_month=gpu_cost,
         cost_per_month=storage + gpu_cost, ssd_bytes_written=ssd_written,
-        ssd_wear_pct_per_year=ssd_wear, wall_s=wall,
+        ssd_wear_pct_per_year=ssd_wear, wall_s=wall, cpu_s=wall,
         requests_per_s=len(trace.requests) / wall if wall > 0 else float("inf"),
         placement=None, reuse=None, ttft_s=ttft,
     )
