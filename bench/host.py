@@ -65,6 +65,7 @@ def main(argv: list[str]) -> int:
             def memcpy_out() -> None:
                 pos[0] = (pos[0] + 1) % span
                 np.copyto(dst, big[pos[0] * src.nbytes : (pos[0] + 1) * src.nbytes])
+
             # Fresh keys for every put, made up front so only the store's work is timed.
             batches = [
                 [ChunkKey(b.to_bytes(8, "little") + i.to_bytes(8, "little")) for i in range(n)]
@@ -92,7 +93,8 @@ def main(argv: list[str]) -> int:
 
             def get4() -> None:
                 futs = [store.get(keys, dsts[i]) for i in range(QD)]
-                assert all(f.result().chunks == n for f in futs)
+                res = [f.result() for f in futs]
+                assert all(r.chunks == n for r in res), (res, store.lookup(keys), n)
 
             def memcpy_in4() -> None:
                 for _ in range(QD):
@@ -113,10 +115,10 @@ def main(argv: list[str]) -> int:
             )
             get()
             ok &= bool(np.array_equal(dst, src))
-            for b in range(mib * 1000, mib * 1000 + (args.repeat + 4) * (QD + 1)):
-                store.delete([ChunkKey(b.to_bytes(8, "little") + i.to_bytes(8, "little")) for i in range(n)])
             get4()  # the memcpy baseline overwrote dsts; load them again to verify
             ok &= all(bool(np.array_equal(d, src)) for d in dsts)
+            for b in range(mib * 1000, mib * 1000 + (args.repeat + 4) * (QD + 1)):
+                store.delete([ChunkKey(b.to_bytes(8, "little") + i.to_bytes(8, "little")) for i in range(n)])
             for op, base, depth in (
                 ("put", "memcpy_in", 1), ("get", "memcpy_out", 1),
                 ("put4", "memcpy_in4", QD), ("get4", "memcpy_out4", QD),
