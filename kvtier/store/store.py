@@ -78,7 +78,7 @@ def _as_bytes_view(buf: Buffer, *, writable: bool) -> memoryview:
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
             raise InputError("buffer must be C-contiguous")
-        view = memoryview(buf.reshape(-1).view(np.uint8))
+        view = memoryview(buf.reshape(-1).view(np.uint8).data)
     else:
         view = memoryview(buf)
     view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
@@ -525,7 +525,7 @@ class TieredStore:
                 self._unbusy([v.key for v in victims])
             return 0
         staging = np.empty(sum(v.value_bytes for v in victims), dtype=np.uint8)
-        view = memoryview(staging)
+        view = memoryview(staging.data)
         ok = [False] * len(victims)
         pos = 0
         offsets: list[int] = []
