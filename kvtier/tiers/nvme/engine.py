@@ -79,7 +79,9 @@ class BufferPool:
             stacks, self._free = self._free, {}
         for stack in stacks.values():
             for buf in stack:
-                buf.close()
+                # A numpy view may still point into it; then the GC unmaps it later.
+                with contextlib.suppress(BufferError):
+                    buf.close()
 
 
 @dataclass(slots=True)
