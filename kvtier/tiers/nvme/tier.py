@@ -511,7 +511,7 @@ class NVMeTier(Tier):
                             " fails its checksum"
                         )
                 if src.ctypes.data != target.ctypes.data:
-                    if vb == sb:
+                    if vb == sb or len(group) == 1:
                         target[:] = src[: target.nbytes]
                     else:
                         target.reshape(len(group), vb)[:] = src[: len(group) * sb].reshape(
