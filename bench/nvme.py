@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from kvtier.bench.common import envelope, write_json
+
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import SlotRun
 
@@ -64,10 +64,14 @@ def _tier(root: Path, name: str, capacity: int, slot: int, engine: str, **opts: 
     if engine == "uring":
         o = Options(dir=str(d), engine=EngineKind.POSIX, **opts)
         return NVMeTier(name, capacity, slot, 1 << 40, o, engine=UringEngine(o.io_threads))
-    return NVMeTier(name, capacity, slot, 1 << 40, Options(dir=str(d), engine=EngineKind(engine), **opts))
+    return NVMeTier(
+        name, capacity, slot, 1 << 40, Options(dir=str(d), engine=EngineKind(engine), **opts)
+    )
 
 
-def throughput(root: Path, sizes_mib: list[int], slot: int, repeat: int, engines: list[str]) -> list[dict[str, Any]]:
+def throughput(
+    root: Path, sizes_mib: list[int], slot: int, repeat: int, engines: list[str]
+) -> list[dict[str, Any]]:
     rng = np.random.default_rng(1)
     cap = max(sizes_mib) * MiB * 2
     tiers = {e: _tier(root, f"tp-{e}", cap, slot, e) for e in engines}
@@ -80,7 +84,16 @@ def throughput(root: Path, sizes_mib: list[int], slot: int, repeat: int, engines
             n = nbytes // slot
             data = rng.integers(0, 256, nbytes, dtype=np.uint8)
             src_file.write_bytes(data.tobytes())  # page-cached source for dd's writes
-            _dd([f"if={src_file}", f"of={dd_file}", f"bs={nbytes}", "count=1", "oflag=direct", "conv=notrunc,fdatasync"])
+            _dd(
+                [
+                    f"if={src_file}",
+                    f"of={dd_file}",
+                    f"bs={nbytes}",
+                    "count=1",
+                    "oflag=direct",
+                    "conv=notrunc,fdatasync",
+                ]
+            )
             runs = {}
             for e, t in tiers.items():
                 exts = t.allocate(n)
@@ -91,17 +104,26 @@ def throughput(root: Path, sizes_mib: list[int], slot: int, repeat: int, engines
             for rep in range(repeat + 1):  # the first round is a warm-up
                 sample: dict[str, float] = {}
                 sample["dd:write"] = _dd(
-                    [f"if={src_file}", f"of={dd_file}", f"bs={nbytes}", "count=1", "oflag=direct", "conv=notrunc,fdatasync"]
+                    [
+                        f"if={src_file}",
+                        f"of={dd_file}",
+                        f"bs={nbytes}",
+                        "count=1",
+                        "oflag=direct",
+                        "conv=notrunc,fdatasync",
+                    ]
                 )
                 for e, t in tiers.items():
                     t0 = time.perf_counter()
-                    t.write(runs[e], memoryview(data))
+                    t.write(runs[e], data.data)
                     sample[f"{e}:write"] = time.perf_counter() - t0
-                sample["dd:read"] = _dd([f"if={dd_file}", "of=/dev/null", f"bs={nbytes}", "count=1", "iflag=direct"])
+                sample["dd:read"] = _dd(
+                    [f"if={dd_file}", "of=/dev/null", f"bs={nbytes}", "count=1", "iflag=direct"]
+                )
                 for e, t in tiers.items():
                     out[:] = 0
                     t0 = time.perf_counter()
-                    t.read(runs[e], memoryview(out))
+                    t.read(runs[e], out.data)
                     sample[f"{e}:read"] = time.perf_counter() - t0
                     if not np.array_equal(out, data):
                         raise RuntimeError(f"{e}: bytes read back differ")
@@ -112,13 +134,29 @@ def throughput(root: Path, sizes_mib: list[int], slot: int, repeat: int, engines
                 for op in ("write", "read"):
                     tier_s, base_s = times[f"{e}:{op}"], times[f"dd:{op}"]
                     tg, bg = nbytes / _median(tier_s) / 1e9, nbytes / _median(base_s) / 1e9
-                    rows.append({
-                        "engine": e, "op": op, "size_bytes": nbytes,
-                        "tier_GBps": round(tg, 3), "baseline_GBps": round(bg, 3), "ratio": round(tg / bg, 3),
-                        "tier_s": {"median": _median(tier_s), "min": min(tier_s), "max": max(tier_s)},
-                        "baseline_s": {"median": _median(base_s), "min": min(base_s), "max": max(base_s)},
-                        "runs": repeat, "slot_bytes": slot, "direct": all(tiers[e].engine.direct),
-                    })
+                    rows.append(
+                        {
+                            "engine": e,
+                            "op": op,
+                            "size_bytes": nbytes,
+                            "tier_GBps": round(tg, 3),
+                            "baseline_GBps": round(bg, 3),
+                            "ratio": round(tg / bg, 3),
+                            "tier_s": {
+                                "median": _median(tier_s),
+                                "min": min(tier_s),
+                                "max": max(tier_s),
+                            },
+                            "baseline_s": {
+                                "median": _median(base_s),
+                                "min": min(base_s),
+                                "max": max(base_s),
+                            },
+                            "runs": repeat,
+                            "slot_bytes": slot,
+                            "direct": all(tiers[e].engine.direct),
+                        }
+                    )
     finally:
         for t in tiers.values():
             t.close()
@@ -144,7 +182,7 @@ def recovery(root: Path, chunks: int, slot: int, repeat: int) -> dict[str, Any]:
             data = rng.integers(0, 256, n * slot, dtype=np.uint8)
             for ext in exts:
                 run = SlotRun(ext.offset, _keys(i + pos, ext.units), slot)
-                t.write(run, memoryview(data[pos * slot : (pos + ext.units) * slot]))
+                t.write(run, data[pos * slot : (pos + ext.units) * slot].data)
                 pos += ext.units
         t.flush()
     finally:
@@ -163,8 +201,14 @@ def recovery(root: Path, chunks: int, slot: int, repeat: int) -> dict[str, Any]:
             store.close()
         if got != chunks:
             raise RuntimeError(f"recovered {got} of {chunks} chunks")
-        out["verify" if verify else "no_verify"] = {"median_s": _median(ts), "min_s": min(ts), "max_s": max(ts)}
-    dd_s = [_dd([f"if={slab}", "of=/dev/null", f"bs={4 * MiB}", "iflag=direct"]) for _ in range(repeat)]
+        out["verify" if verify else "no_verify"] = {
+            "median_s": _median(ts),
+            "min_s": min(ts),
+            "max_s": max(ts),
+        }
+    dd_s = [
+        _dd([f"if={slab}", "of=/dev/null", f"bs={4 * MiB}", "iflag=direct"]) for _ in range(repeat)
+    ]
     out["dd_read_slab_s"] = {"median_s": _median(dd_s), "min_s": min(dd_s), "max_s": max(dd_s)}
     out["ratio_verify_vs_dd"] = round(_median(dd_s) / out["verify"]["median_s"], 3)
     return out
@@ -183,22 +227,37 @@ def main(argv: list[str]) -> int:
     p.add_argument("--skip-recovery", action="store_true")
     a = p.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="kvtier-bench-nvme-", dir=a.dir))
-    fs = subprocess.run(["df", "-T", str(root)], capture_output=True, text=True).stdout.splitlines()[-1]
+    fs = subprocess.run(
+        ["df", "-T", str(root)], capture_output=True, text=True
+    ).stdout.splitlines()[-1]
     try:
         rows = throughput(
-            root, [int(s) for s in a.sizes.split(",")], int(a.slot_mib * MiB), a.repeat, a.engines.split(",")
+            root,
+            [int(s) for s in a.sizes.split(",")],
+            int(a.slot_mib * MiB),
+            a.repeat,
+            a.engines.split(","),
         )
-        rec = None if a.skip_recovery else recovery(root, a.recover_chunks, a.recover_slot, max(3, a.repeat // 2))
+        rec = (
+            None
+            if a.skip_recovery
+            else recovery(root, a.recover_chunks, a.recover_slot, max(3, a.repeat // 2))
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"filesystem: {fs}")
     print(f"{'engine':7} {'op':6} {'MiB':>5} {'tier GB/s':>10} {'dd GB/s':>8} {'ratio':>6}")
     for r in rows:
-        print(f"{r['engine']:7} {r['op']:6} {r['size_bytes'] // MiB:5d} {r['tier_GBps']:10.3f} "
-              f"{r['baseline_GBps']:8.3f} {r['ratio']:6.2f}")
+        print(
+            f"{r['engine']:7} {r['op']:6} {r['size_bytes'] // MiB:5d} {r['tier_GBps']:10.3f} "
+            f"{r['baseline_GBps']:8.3f} {r['ratio']:6.2f}"
+        )
     if rec:
-        print(f"recovery of {rec['chunks']} chunks of {rec['slot_bytes']} B: "
-              f"{rec['verify']['median_s']:.3f} s verified, {rec['no_verify']['median_s']:.3f} s unverified; "
-              f"dd reads the slab in {rec['dd_read_slab_s']['median_s']:.3f} s")
+        print(
+            f"recovery of {rec['chunks']} chunks of {rec['slot_bytes']} B: "
+            f"{rec['verify']['median_s']:.3f} s verified, "
+            f"{rec['no_verify']['median_s']:.3f} s unverified; "
+            f"dd reads the slab in {rec['dd_read_slab_s']['median_s']:.3f} s"
+        )
     write_json(a.json, envelope("nvme", rows, recovery=rec, filesystem=fs, shared_machine=True))
     return 0

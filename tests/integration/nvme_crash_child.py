@@ -15,10 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kvtier.store import TieredStore  # noqa: E402
-from kvtier.tiers.nvme import Durability, EngineKind, Options  # noqa: E402
-from kvtier.tiers.nvme.tier import NVMeTier  # noqa: E402
-from tests.unit.tiers.nvme.conftest import SLOT, key, values  # noqa: E402
+from kvtier.store import TieredStore
+from kvtier.tiers.nvme import Durability, EngineKind, Options
+from kvtier.tiers.nvme.tier import NVMeTier
+from tests.unit.tiers.nvme.conftest import SLOT, key, values
 
 CAP_SLOTS = 2048
 LIVE_LIMIT = 300  # chunks this child keeps; older ones it deletes (DEL records, slot reuse)
@@ -28,7 +28,9 @@ def main() -> None:
     directory, first, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     rng = random.Random(seed)
     opts = Options(
-        dir=directory, engine=EngineKind.POSIX, durability=Durability.SYNC,
+        dir=directory,
+        engine=EngineKind.POSIX,
+        durability=Durability.SYNC,
         checkpoint_min_records=rng.choice([64, 256, 4096]),  # compactions happen mid-run
     )
     tier = NVMeTier("nv", CAP_SLOTS * SLOT, SLOT, 1 << 30, opts)

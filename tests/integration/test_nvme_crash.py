@@ -41,7 +41,9 @@ class Child:
     def __init__(self, directory: Path, first: int, seed: int) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, str(CHILD), str(directory), str(first), str(seed)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         self.ready = threading.Event()
         self.acked: set[int] = set()
@@ -76,8 +78,13 @@ class Child:
 
 def _verify(directory: Path, candidates: set[int]) -> tuple[set[int], int]:
     """Reopen; return the ids present (each verified byte for byte) and the chunk count."""
-    tier = NVMeTier("nv", 2048 * SLOT, SLOT, 1 << 30,
-                    Options(dir=str(directory), engine=EngineKind.POSIX, durability=Durability.SYNC))
+    tier = NVMeTier(
+        "nv",
+        2048 * SLOT,
+        SLOT,
+        1 << 30,
+        Options(dir=str(directory), engine=EngineKind.POSIX, durability=Durability.SYNC),
+    )
     with TieredStore([tier], io_threads=2, promote_on_hit=False) as store:
         present: set[int] = set()
         buf = np.empty(VALUE, dtype=np.uint8)
@@ -94,7 +101,9 @@ def _verify(directory: Path, candidates: set[int]) -> tuple[set[int], int]:
         assert st.corrupt_chunks == 0 and st.tier_errors == 0
         count = st.chunks
         # Keep the directory from filling up across rounds: forget the older rounds.
-        store.delete([key(i) for i in present if i // ID_STRIDE < max(candidates, default=0) // ID_STRIDE])
+        store.delete(
+            [key(i) for i in present if i // ID_STRIDE < max(candidates, default=0) // ID_STRIDE]
+        )
     return present, count
 
 

@@ -37,9 +37,15 @@ def make_store(tmp_path: Path) -> Iterator[Callable[..., tuple[TieredStore, NVMe
     """Open a one-tier store over ``tmp_path`` (reopening the same directory recovers it)."""
     opened: list[TieredStore] = []
 
-    def make(directory: Path | None = None, engine: Any = None, cap: int = CAP, **opts: Any) -> tuple[TieredStore, NVMeTier]:
+    def make(
+        directory: Path | None = None,
+        engine: Any = None,
+        cap: int = CAP,
+        slot: int = SLOT,
+        **opts: Any,
+    ) -> tuple[TieredStore, NVMeTier]:
         o = Options(dir=str(directory or tmp_path), engine=EngineKind.POSIX, **opts)
-        tier = NVMeTier("nv", cap, SLOT, 1 << 30, o, engine=engine)
+        tier = NVMeTier("nv", cap, slot, 1 << 30, o, engine=engine)
         store = TieredStore([tier], io_threads=2, promote_on_hit=False)
         opened.append(store)
         return store, tier

@@ -1,4 +1,4 @@
-"""Flipped bytes in the slab, the journal or the checkpoint: a miss and a metric, never wrong data."""
+"""Flipped bytes in the slab, journal or checkpoint: a miss and a metric, never wrong data."""
 
 from __future__ import annotations
 
@@ -61,7 +61,9 @@ def test_flipped_slab_bytes_are_a_miss_on_read_and_freed(make_store, tmp_path: P
     assert set(seen) == set(range(10)) - {3} and all(seen.values())
 
 
-def test_flipped_slab_bytes_without_start_up_verification_are_a_miss(make_store, tmp_path: Path) -> None:
+def test_flipped_slab_bytes_without_start_up_verification_are_a_miss(
+    make_store, tmp_path: Path
+) -> None:
     store, _ = make_store()
     _put(store, list(range(10)))
     store.close()

@@ -105,9 +105,14 @@ def test_o_direct_required_but_refused_is_a_config_error(tmp_path: Path) -> None
     from kvtier.tiers.nvme.tier import NVMeTier
 
     with pytest.raises(ConfigError, match="O_DIRECT"):
-        NVMeTier("nv", 16 * SLOT, SLOT, 1 << 30,
-                 Options(dir=str(tmp_path), engine=EngineKind.POSIX, o_direct=Switch.ON),
-                 engine=NoDirectEngine())
+        NVMeTier(
+            "nv",
+            16 * SLOT,
+            SLOT,
+            1 << 30,
+            Options(dir=str(tmp_path), engine=EngineKind.POSIX, o_direct=Switch.ON),
+            engine=NoDirectEngine(),
+        )
 
 
 def test_slab_deleted_under_a_running_store(make_store, tmp_path: Path, caplog) -> None:
@@ -129,7 +134,7 @@ def test_slab_deleted_under_a_running_store(make_store, tmp_path: Path, caplog) 
 
 
 def test_slab_truncated_under_a_running_store(make_store, tmp_path: Path) -> None:
-    store, tier = make_store()
+    store, _ = make_store()
     _put(store, [1, 2, 3])
     os.truncate(tmp_path / "nv.slab0", 0)
     seen = get_all(store, [1, 2, 3])
@@ -166,8 +171,9 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
         pytest.skip("mounting a tmpfs needs root; the injected ENOSPC test covers this path")
     mnt = tmp_path / f"fs-{uuid.uuid4().hex[:8]}"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     try:
