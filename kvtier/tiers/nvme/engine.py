@@ -370,13 +370,16 @@ class KvikioEngine(IOEngine):
 
     @property
     def compat_mode(self) -> str:
-        """kvikio's compat mode as it reports it (ON: POSIX I/O, OFF: cuFile/GDS)."""
-        defaults = self._kvikio.defaults
-        for attr in ("compat_mode", "get_compat_mode"):
-            fn = getattr(defaults, attr, None)
-            if callable(fn):
-                return str(fn())
-        return "unknown"
+        """kvikio's compat mode setting (ON: POSIX I/O only, OFF: cuFile only, AUTO)."""
+        return str(self._kvikio.defaults.get("compat_mode"))
+
+    @property
+    def gds_available(self) -> bool:
+        """Whether the cuFile driver reports GPUDirect Storage as usable."""
+        try:
+            return bool(self._kvikio.cufile_driver.get("is_gds_available"))
+        except (RuntimeError, AttributeError):
+            return False
 
     def open(self, path: Path, *, direct: bool) -> int:
         self._files.append(self._kvikio.CuFile(str(path), "r+"))
