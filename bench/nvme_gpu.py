@@ -64,6 +64,18 @@ def environment(root: Path) -> dict[str, Any]:
         env["kvikio"] = getattr(kvikio, "__version__", "?")
         env["compat_mode"] = str(d.get("compat_mode"))
         env["compat_mode_preferred"] = bool(d.is_compat_mode_preferred())
+        for k in (
+            "thread_pool_nthreads",
+            "task_size",
+            "gds_threshold",
+            "bounce_buffer_size",
+            "auto_direct_io_read",
+            "auto_direct_io_write",
+        ):
+            try:
+                env[f"kvikio_{k}"] = d.get(k)
+            except Exception as exc:  # noqa: BLE001 - older kvikio lacks some settings
+                env[f"kvikio_{k}"] = f"error: {exc}"
         for k in ("is_gds_available", "allow_compat_mode", "major_version", "minor_version"):
             try:
                 env[f"cufile_{k}"] = drv.get(k)

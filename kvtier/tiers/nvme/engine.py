@@ -365,6 +365,10 @@ class KvikioEngine(IOEngine):
         except ImportError as exc:  # translated by the tier into a ConfigError
             raise OSError(errno.ENOSYS, f"kvikio is not installed: {exc}") from exc
         self._kvikio = kvikio
+        try:  # kvikio splits each transfer over its own pool; give it as many threads as posix
+            kvikio.defaults.set("thread_pool_nthreads", self.threads)
+        except (RuntimeError, ValueError, KeyError) as exc:
+            log.info("nvme: kvikio keeps its own thread count (%s)", exc)
         self._files: list[Any] = []
         self._fds: list[int] = []
 
