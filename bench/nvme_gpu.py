@@ -97,7 +97,9 @@ def forced_gds_probe(path: Path) -> str:
         import kvikio
         import kvikio.defaults as d
 
-        with d.set("compat_mode", "OFF"):
+        # The setting takes kvikio.CompatMode, not a string (a string raised TypeError
+        # in the first H200 run, so that run's probe proves nothing).
+        with d.set("compat_mode", kvikio.CompatMode.OFF):
             f = kvikio.CuFile(str(path), "r+")
             buf = cupy.arange(MiB, dtype=cupy.uint8)
             n = f.pwrite(buf, MiB, 0).get()
