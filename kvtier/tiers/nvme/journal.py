@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -72,9 +73,8 @@ class Durability(enum.Enum):
     NONE = "none"
 
 
-@dataclass(frozen=True, slots=True)
-class Entry:
-    """The durable facts about one stored chunk.
+class Entry(NamedTuple):
+    """The durable facts about one stored chunk (immutable; a tuple so 100K build fast).
 
     Attributes:
         slot: slot number in the tier.
@@ -160,6 +160,45 @@ class ReplayStats:
     out_of_range: int = 0
 
 
+RECORD_DTYPE = np.dtype(
+    [
+        ("magic", "<u2"),
+        ("op", "u1"),
+        ("codec", "u1"),
+        ("value", "<u4"),
+        ("seq", "<u8"),
+        ("slot", "<u8"),
+        ("key", "V16"),
+        ("sum", "<u8"),
+        ("stored", "<u4"),
+        ("pad", "<u4"),
+        ("crc", "<u8"),
+    ]
+)
+assert RECORD_DTYPE.itemsize == RECORD_BYTES
+
+
+def pack_puts(entries: list[Entry]) -> bytes:
+    """PUT records (sequence 0) of many entries at once: a checkpoint's body."""
+    arr = np.zeros(len(entries), dtype=RECORD_DTYPE)
+    if not entries:
+        return b""
+    arr["magic"] = RECORD_MAGIC
+    arr["op"] = int(Op.PUT)
+    arr["codec"] = [e.codec for e in entries]
+    arr["value"] = [e.value_bytes for e in entries]
+    arr["slot"] = [e.slot for e in entries]
+    arr["key"] = [e.key for e in entries]
+    arr["sum"] = [e.checksum for e in entries]
+    arr["stored"] = [e.stored_bytes for e in entries]
+    view = arr.view(np.uint8).data
+    arr["crc"] = [
+        xxhash.xxh3_64_intdigest(view[i * RECORD_BYTES : i * RECORD_BYTES + 56])
+        for i in range(len(entries))
+    ]
+    return arr.tobytes()
+
+
 def replay(
     raw: bytes,
     index: dict[int, Entry],
@@ -173,38 +212,61 @@ def replay(
 
     Corrupt records are skipped one by one; a partial record at the end is a torn tail.
     ``monotonic`` (journals) skips records whose sequence does not increase; checkpoint
-    records carry no order and are all applied.
+    records carry no order and are all applied. Vectorised with numpy: 100K records
+    take tens of milliseconds, not seconds.
     """
     n = len(raw) // RECORD_BYTES
     st.torn_tail_bytes += len(raw) - n * RECORD_BYTES
     if n == 0:
         return last_seq
-    arr = np.frombuffer(raw, dtype=np.uint8, count=n * RECORD_BYTES).reshape(n, RECORD_BYTES)
-    # All-zero slots (preallocated or never-written tails) are not records: skip them fast.
-    nonzero = np.flatnonzero(arr.any(axis=1))
+    recs = np.frombuffer(raw, dtype=RECORD_DTYPE, count=n)
+    # All-zero slots (never-written tails) are not records: skip them without hashing.
+    idx = np.flatnonzero(
+        np.frombuffer(raw, dtype=np.uint8, count=n * RECORD_BYTES).reshape(n, -1).any(axis=1)
+    )
     view = memoryview(raw)
-    for i in nonzero.tolist():
-        rec = view[i * RECORD_BYTES : (i + 1) * RECORD_BYTES]
-        if not _sealed_ok(rec):
-            st.bad_records += 1
-            continue
-        magic, op, codec, value, seq, slot, key, checksum, stored, _ = RECORD_FMT.unpack(rec[:56])
-        if magic != RECORD_MAGIC or op not in (Op.PUT, Op.DEL):
-            st.bad_records += 1
-            continue
-        if monotonic:
-            if seq <= last_seq:
-                st.stale_records += 1
-                continue
-            last_seq = seq
-        st.records += 1
-        if slot >= geo.capacity_slots or value > geo.slot_bytes or stored > geo.slot_bytes:
-            st.out_of_range += 1
-            continue
-        if op == Op.PUT:
+    crc = np.fromiter(
+        (
+            xxhash.xxh3_64_intdigest(view[i * RECORD_BYTES : i * RECORD_BYTES + 56])
+            for i in idx.tolist()
+        ),
+        dtype=np.uint64,
+        count=len(idx),
+    )
+    recs = recs[idx]
+    ok = (crc == recs["crc"]) & (recs["magic"] == RECORD_MAGIC)
+    ok &= (recs["op"] == Op.PUT) | (recs["op"] == Op.DEL)
+    st.bad_records += int((~ok).sum())
+    recs = recs[ok]
+    if monotonic and len(recs):
+        seq = recs["seq"]
+        before = np.maximum.accumulate(np.concatenate([np.array([last_seq], np.uint64), seq]))[:-1]
+        fresh = seq > before
+        st.stale_records += int((~fresh).sum())
+        recs = recs[fresh]
+        if len(recs):
+            last_seq = int(recs["seq"][-1])
+    st.records += len(recs)
+    in_range = (recs["slot"] < geo.capacity_slots) & (recs["value"] <= geo.slot_bytes)
+    in_range &= recs["stored"] <= geo.slot_bytes
+    st.out_of_range += int((~in_range).sum())
+    recs = recs[in_range]
+    cols = zip(
+        recs["op"].tolist(),
+        recs["slot"].tolist(),
+        recs["key"].tolist(),
+        recs["value"].tolist(),
+        recs["sum"].tolist(),
+        recs["stored"].tolist(),
+        recs["codec"].tolist(),
+        strict=True,
+    )
+    put = int(Op.PUT)  # plain ints: IntEnum comparisons cost 10x in this loop
+    for op, slot, key, value, checksum, stored, codec in cols:
+        if op == put:
             # A later PUT to the same slot supersedes an earlier one (the slot was reused
             # even if the DEL between them was lost).
-            index[slot] = Entry(slot, ChunkKey(bytes(key)), value, checksum, stored, codec)
+            index[slot] = Entry(slot, ChunkKey(key), value, checksum, stored, codec)
         else:
             old = index.get(slot)
             if old is not None and old.key == key:
@@ -404,10 +466,7 @@ class Journal:
         # journal starts right after the last committed one, so none is taken as stale.
         next_seq = self._committed_seq + 1
         parts = [pack_header(KIND_CHECKPOINT, gen, next_seq, self.geo)]
-        parts.extend(
-            pack_record(Op.PUT, 0, e)
-            for e in sorted(self._committed.values(), key=lambda e: e.slot)
-        )
+        parts.append(pack_puts(sorted(self._committed.values(), key=lambda e: e.slot)))
         tmp = self.dir / f"checkpoint.{gen}.tmp"
         self._write_file(tmp, b"".join(parts))
         os.replace(tmp, self.dir / f"checkpoint.{gen}")

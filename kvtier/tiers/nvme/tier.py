@@ -25,6 +25,7 @@ to the store.
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import logging
 import mmap
@@ -165,10 +166,12 @@ class NVMeTier(Tier):
         self._per_slab = -(-self.capacity_slots // n_slabs)
         self.engine = engine if engine is not None else self._make_engine(opts)
         self._recovered: list[SlotRun] = []
+        self._lock_fd = -1
         try:
             self._open_slabs(dirs)
             index_dir = dirs[0] / f"{name}.index"
             index_dir.mkdir(exist_ok=True)
+            self._lock_fd = _lock_dir(index_dir, name)
             self._journal = Journal(
                 index_dir,
                 Geometry(self.slot_bytes, self.capacity_slots),
@@ -181,6 +184,7 @@ class NVMeTier(Tier):
             self._journal.start(live)
         except OSError as exc:
             self.engine.close()
+            _unlock(self._lock_fd)
             raise ConfigError(
                 f"tiers.{name}.paths",
                 [str(d) for d in dirs],
@@ -188,6 +192,7 @@ class NVMeTier(Tier):
             ) from exc
         except BaseException:
             self.engine.close()
+            _unlock(self._lock_fd)
             raise
 
     # -- set-up --------------------------------------------------------------------------
@@ -261,6 +266,7 @@ class NVMeTier(Tier):
             )
         # Claim the survivors and hand them over as runs of consecutive slots.
         slots = sorted(live)
+        cap = self.max_extent_slots
         i = 0
         while i < len(slots):
             j = i + 1
@@ -269,7 +275,7 @@ class NVMeTier(Tier):
                 j < len(slots)
                 and slots[j] == slots[j - 1] + 1
                 and live[slots[j]].value_bytes == first.value_bytes
-                and j - i < self.max_extent_slots
+                and j - i < cap
             ):
                 j += 1
             self._alloc.claim(slots[i], j - i)
@@ -580,6 +586,8 @@ class NVMeTier(Tier):
         self._journal.close()
         self.engine.close()
         self._bufs.close()
+        _unlock(self._lock_fd)
+        self._lock_fd = -1
 
     def nvme_stats(self) -> NVMeStats:
         """Counters specific to this tier (media bytes for the endurance budget, faults)."""
@@ -609,6 +617,24 @@ class NVMeTier(Tier):
             if self.engine.name in ("posix", "kvikio")
             else EngineKind.POSIX
         )
+
+
+def _lock_dir(index_dir: Path, name: str) -> int:
+    """Take the index directory for this process: two writers would corrupt each other."""
+    fd = os.open(index_dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        raise ConfigError(
+            f"tiers.{name}.paths", str(index_dir), "a directory no other process has open"
+        ) from exc
+    return fd
+
+
+def _unlock(fd: int) -> None:
+    if fd >= 0:
+        os.close(fd)  # closing the descriptor drops the flock
 
 
 def _sum(data: np.ndarray) -> int:

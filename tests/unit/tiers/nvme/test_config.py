@@ -75,3 +75,9 @@ def test_environment_overrides_the_engine(tmp_path: Path) -> None:
         base=_raw(tmp_path, dir=str(tmp_path)), env={"KVTIER_TIERS__1__ENGINE": "posix"}
     )
     assert cfg.tiers[1].options.engine is EngineKind.POSIX
+
+
+def test_second_opener_of_the_same_directory_is_refused(make_store, tmp_path: Path) -> None:
+    make_store()
+    with pytest.raises(ConfigError, match="no other process"):
+        make_store()
