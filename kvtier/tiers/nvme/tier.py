@@ -350,7 +350,12 @@ class NVMeTier(Tier):
         """Split a run into (slab, byte offset, first index in run, slots) transfers."""
         out = []
         j = 0
-        step = 1 if self.options.codec is not Codec.NONE else self._piece_slots
+        if self.options.codec is not Codec.NONE:
+            step = 1
+        else:
+            # At least one piece per engine thread when the run allows it: a 4 MiB run
+            # of two 2 MiB chunks goes out as two transfers in parallel, not one.
+            step = max(1, min(self._piece_slots, -(-run.n // self.engine.threads)))
         while j < run.n:
             slot = run.offset + j
             slab_end = (slot // self._per_slab + 1) * self._per_slab
