@@ -365,10 +365,15 @@ class KvikioEngine(IOEngine):
         except ImportError as exc:  # translated by the tier into a ConfigError
             raise OSError(errno.ENOSYS, f"kvikio is not installed: {exc}") from exc
         self._kvikio = kvikio
-        try:  # kvikio splits each transfer over its own pool; give it as many threads as posix
-            kvikio.defaults.set("thread_pool_nthreads", self.threads)
-        except (RuntimeError, ValueError, KeyError) as exc:
-            log.info("nvme: kvikio keeps its own thread count (%s)", exc)
+        # kvikio splits each transfer over its own pool: give it as many threads as posix.
+        # In compat mode it writes with O_DIRECT but reads through the page cache unless
+        # told otherwise; the tier's reads must come from the device, as posix's do.
+        # (Set after the first H200 run, whose compat-mode reads were page-cache hits.)
+        for setting, val in (("thread_pool_nthreads", self.threads), ("auto_direct_io_read", True)):
+            try:
+                kvikio.defaults.set(setting, val)
+            except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+                log.info("nvme: kvikio keeps its own %s (%s)", setting, exc)
         self._files: list[Any] = []
         self._fds: list[int] = []
 
