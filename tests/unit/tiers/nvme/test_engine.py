@@ -33,7 +33,8 @@ def test_kvikio_where_it_cannot_run_is_a_config_error(tmp_path: Path) -> None:
     else:
         pytest.skip("kvikio is installed here")
     with pytest.raises(ConfigError, match="engine"):
-        NVMeTier("nv", 1 << 20, 1 << 16, 1 << 30, Options(dir=str(tmp_path), engine=EngineKind.KVIKIO))
+        opts = Options(dir=str(tmp_path), engine=EngineKind.KVIKIO)
+        NVMeTier("nv", 1 << 20, 1 << 16, 1 << 30, opts)
 
 
 @pytest.mark.parametrize("kind", ["posix", "uring"])
@@ -50,7 +51,7 @@ def test_engine_round_trip_and_short_read(tmp_path: Path, kind: str) -> None:
     try:
         idx = engine.open(path, direct=True)
         src = [mmap.mmap(-1, 1 << 18) for _ in range(4)]
-        for k, b in enumerate(src):
+        for b in src:
             b.write(os.urandom(1 << 18))
             b.seek(0)
         engine.write([IORequest(idx, k << 18, 1 << 18, buffer=b) for k, b in enumerate(src)])
