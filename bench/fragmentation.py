@@ -104,7 +104,7 @@ def churn(
         def alloc(n: int) -> object | None:
             if not strict:
                 return buddy.allocate_run(n)
-            got = []
+            got: list[Any] = []
             for order in decompose(n, buddy.max_order):
                 e = buddy.allocate(order)
                 if e is None:

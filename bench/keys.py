@@ -30,7 +30,7 @@ def vllm_hasher(block: int) -> Any:
 
     def run(tokens: list[int]) -> list[bytes]:
         parent = None
-        out = []
+        out: list[bytes] = []
         for i in range(0, len(tokens) - block + 1, block):
             parent = kcu.hash_block_tokens(fn, parent, tokens[i : i + block], None)
             out.append(parent)

@@ -32,7 +32,7 @@ def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes | memoryview:
     if isinstance(token_ids, np.ndarray):
         if token_ids.ndim != 1:
             raise InputError(f"token_ids must be one-dimensional, got shape {token_ids.shape}")
-        return memoryview(np.ascontiguousarray(token_ids, dtype="<i4")).cast("B")
+        return memoryview(np.ascontiguousarray(token_ids, dtype="<i4").data).cast("B")
     try:
         if _pack_i32_c is not None and isinstance(token_ids, (list, tuple)):
             return bytes(_pack_i32_c(token_ids))
