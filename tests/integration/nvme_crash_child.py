@@ -3,7 +3,7 @@
 Usage: ``python nvme_crash_child.py DIR FIRST_ID SEED``. Prints ``READY`` once the
 store is open, ``A <first> <n>`` after each acknowledged put of chunks ``first ..
 first+n-1`` and ``D <first> <n>`` after deleting them. Chunk ``i`` holds
-``tests.unit.tiers.nvme.conftest.value(i)``, so the parent can verify every byte.
+``tests.tiers.nvme.conftest.value(i)``, so the parent can verify every byte.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kvtier.store import TieredStore
 from kvtier.tiers.nvme import Durability, EngineKind, Options
 from kvtier.tiers.nvme.tier import NVMeTier
-from tests.unit.tiers.nvme.conftest import SLOT, key, values
+from tests.tiers.nvme.conftest import SLOT, key, values
 
 CAP_SLOTS = 2048
 LIVE_LIMIT = 300  # chunks this child keeps; older ones it deletes (DEL records, slot reuse)

@@ -28,7 +28,7 @@ import pytest
 from kvtier.store import TieredStore
 from kvtier.tiers.nvme import Durability, EngineKind, Options
 from kvtier.tiers.nvme.tier import NVMeTier
-from tests.unit.tiers.nvme.conftest import SLOT, VALUE, key, value
+from tests.tiers.nvme.conftest import SLOT, VALUE, key, value
 
 CHILD = Path(__file__).with_name("nvme_crash_child.py")
 ROUNDS = 22

@@ -25,7 +25,7 @@ import pytest
 from kvtier.errors import ConfigError
 from kvtier.tiers.nvme import Durability
 from kvtier.tiers.nvme.engine import PosixEngine
-from tests.unit.tiers.nvme.conftest import SLOT, VALUE, get_all, key, values
+from tests.tiers.nvme.conftest import SLOT, VALUE, get_all, key, values
 
 
 class FaultyEngine(PosixEngine):

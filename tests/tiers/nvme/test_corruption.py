@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.unit.tiers.nvme.conftest import VALUE, get_all, key, value, values
+from tests.tiers.nvme.conftest import VALUE, get_all, key, value, values
 
 RECORD = 64  # journal and checkpoint record size (docs/architecture.md, "NVMe tier")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.tiers.nvme import Codec, Durability
-from tests.unit.tiers.nvme.conftest import SLOT, VALUE, get_all, key, values
+from tests.tiers.nvme.conftest import SLOT, VALUE, get_all, key, values
 
 
 def test_batch_and_none_survive_a_clean_close(make_store, tmp_path: Path) -> None:
