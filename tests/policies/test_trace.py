@@ -9,7 +9,7 @@ import pytest
 from kvtier.errors import InputError
 from kvtier.policies.trace import SyntheticWorkload, load_trace
 
-TRACES = Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "mooncake"
+TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "mooncake"
 
 
 def test_reads_the_conversation_trace_head() -> None:

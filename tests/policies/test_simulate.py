@@ -14,7 +14,7 @@ from kvtier.policies.simulate import SimConfig, simulate
 from kvtier.policies.trace import load_trace
 from kvtier.policies.validate import validate
 
-TRACES = Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "mooncake"
+TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "mooncake"
 HW = hardware_preset("h200-dram-nvme")
 MODEL = model_compute("llama-3-8b")
 CHUNK = MODEL.kv.chunk_bytes(512)
