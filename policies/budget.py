@@ -3,8 +3,8 @@
 The budget is ``DWPD x capacity x headroom`` bytes per day, enforced over a sliding
 window: in any window of ``window_s`` seconds, at most ``bytes_per_day * window_s /
 86400`` bytes are granted. A one-day window lets a busy hour spend a quiet night's
-allowance; a shorter window paces writes evenly (the default, one hour, keeps a peak
-hour from spending a whole day).
+allowance (the literal "bytes per day", the default of the placement); a shorter window
+paces writes evenly (one hour keeps a peak hour from spending a whole day).
 
 Grants are counted in one-minute buckets; a bucket counts whole while any part of it is
 inside the window, so the check is conservative: the true sliding sum is never above

@@ -54,7 +54,7 @@ class Economics:
     recompute_s: float
     value_per_s: float
     horizon_s: float = 0.0
-    window_s: float = 3600.0
+    window_s: float = 86400.0
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1:

@@ -54,8 +54,11 @@ class SimConfig:
             (keep everything, demote tier by tier, as the peers do).
         value_of_latency_per_s: $ per second of user waiting, added to GPU time.
         horizon_s: expected stay of a chunk, for its storage cost in placement.
-        budget_window_s: write-budget window.
+        budget_window_s: write-budget window (one day: the budget is bytes per day; 3600
+            paces it per hour).
         promote_on_hit: let the store promote lower-tier hits (placement may decline).
+        eviction: eviction order under ``kvtier`` (``cost``: by the placement's reuse
+            odds; or a registered name such as ``lru``, ``arc``); baselines use their own.
     """
 
     model: ModelCompute
@@ -64,9 +67,9 @@ class SimConfig:
     policy: str = "kvtier"
     value_of_latency_per_s: float = 0.0
     horizon_s: float = 0.0
-    budget_window_s: float = 3600.0
+    budget_window_s: float = 86400.0
     promote_on_hit: bool = True
-    eviction: str = "lru"
+    eviction: str = "cost"
 
     def __post_init__(self) -> None:
         if len(self.capacities_bytes) != len(self.hardware.tiers):
