@@ -68,7 +68,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--limit", type=int, default=None, help="first N requests of each trace")
     ap.add_argument("--validate-requests", type=int, default=1500)
     ap.add_argument("--traces", default=",".join(TRACES))
+    ap.add_argument("--latency-values", default="",
+                    help="extra kvtier rows pricing user waiting at these $/s (sensitivity)")
     args = ap.parse_args(argv)
+    variants = dict(VARIANTS)
+    for v in filter(None, args.latency_values.split(",")):
+        variants[f"kvtier-wait-{v}"] = {**VARIANTS["kvtier"], "value_of_latency_per_s": float(v)}
 
     model = model_compute(args.model)
     hw = load_hardware(args.hardware)
@@ -81,7 +86,7 @@ def main(argv: list[str]) -> int:
               for n in args.traces.split(",")}
     for (name, trace), caps in itertools.product(traces.items(), configs):
         base: dict[str, Any] | None = None
-        for variant, kw in VARIANTS.items():
+        for variant, kw in variants.items():
             r = simulate(SimConfig(model, hw, caps, **kw), trace)
             row: dict[str, Any] = {
                 "trace": name,
