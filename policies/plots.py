@@ -41,7 +41,7 @@ def hit_rate_vs_capacity(
         xs = [c[i] / 1e9 for c, _ in pts]
         ax.plot(xs, [r.hit_rate for _, r in pts], "o-", label="all tiers")
         ax.plot(xs, [next((t.hit_rate for t in r.tiers if t.name == name), 0.0) for _, r in pts],
-                "s--", label=f"{name} only")
+                "s--", label=f"served from {name}")
         ax.axvline(best[i] / 1e9, color="grey", lw=0.8, ls=":")
         ax.set_xlabel(f"{name} capacity (GB)")
         ax.set_ylabel("chunk hit rate")
