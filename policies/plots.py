@@ -55,27 +55,31 @@ def hit_rate_vs_capacity(
 
 
 def cost_latency_frontier(points: Sequence[Point], best: tuple[int, ...], out: Path) -> Path:
-    """Every simulated configuration as ($/month, TTFT p99), the Pareto frontier, the pick."""
+    """Every simulated configuration as ($/month, TTFT p50) and ($/month, TTFT p99), each
+    with its Pareto frontier and the chosen configuration marked."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    xs = [r.cost_per_month for _, r in points]
-    ys = [r.ttft_p99_s for _, r in points]
-    ax.scatter(xs, ys, s=18, alpha=0.6, label="configurations")
-    frontier: list[SimResult] = []
-    for _, r in sorted(points, key=lambda p: (p[1].cost_per_month, p[1].ttft_p99_s)):
-        if not frontier or r.ttft_p99_s < frontier[-1].ttft_p99_s:
-            frontier.append(r)
-    ax.plot([r.cost_per_month for r in frontier], [r.ttft_p99_s for r in frontier], "r-",
-            label="frontier")
-    for c, r in points:
-        if c == best:
-            ax.scatter([r.cost_per_month], [r.ttft_p99_s], s=80, marker="*", color="k",
-                       label="chosen", zorder=3)
-            break
-    ax.set_xlabel("total cost ($/month)")
-    ax.set_ylabel("TTFT p99 (s)")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for ax, label, get in (
+        (axes[0], "TTFT p50 (s)", lambda r: r.ttft_p50_s),
+        (axes[1], "TTFT p99 (s)", lambda r: r.ttft_p99_s),
+    ):
+        ax.scatter([r.cost_per_month for _, r in points], [get(r) for _, r in points], s=18,
+                   alpha=0.6, label="configurations")
+        frontier: list[SimResult] = []
+        for _, r in sorted(points, key=lambda p: (p[1].cost_per_month, get(p[1]))):
+            if not frontier or get(r) < get(frontier[-1]):
+                frontier.append(r)
+        ax.step([r.cost_per_month for r in frontier], [get(r) for r in frontier], "r-",
+                where="post", label="frontier")
+        for c, r in points:
+            if c == best:
+                ax.scatter([r.cost_per_month], [get(r)], s=90, marker="*", color="k",
+                           label="chosen", zorder=3)
+                break
+        ax.set_xlabel("total cost ($/month)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
