@@ -3,7 +3,7 @@ frontier. matplotlib is imported when a plot is drawn (the ``plot`` extra)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,15 +54,24 @@ def hit_rate_vs_capacity(
     return out
 
 
+def _p50(r: SimResult) -> float:
+    return r.ttft_p50_s
+
+
+def _p99(r: SimResult) -> float:
+    return r.ttft_p99_s
+
+
 def cost_latency_frontier(points: Sequence[Point], best: tuple[int, ...], out: Path) -> Path:
     """Every simulated configuration as ($/month, TTFT p50) and ($/month, TTFT p99), each
     with its Pareto frontier and the chosen configuration marked."""
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    for ax, label, get in (
-        (axes[0], "TTFT p50 (s)", lambda r: r.ttft_p50_s),
-        (axes[1], "TTFT p99 (s)", lambda r: r.ttft_p99_s),
-    ):
+    panels: tuple[tuple[Any, str, Callable[[SimResult], float]], ...] = (
+        (axes[0], "TTFT p50 (s)", _p50),
+        (axes[1], "TTFT p99 (s)", _p99),
+    )
+    for ax, label, get in panels:
         ax.scatter([r.cost_per_month for _, r in points], [get(r) for _, r in points], s=18,
                    alpha=0.6, label="configurations")
         frontier: list[SimResult] = []
