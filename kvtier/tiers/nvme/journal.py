@@ -403,6 +403,7 @@ class Journal:
         self._pending: list[bytes] = []
         self._pending_ops: list[tuple[Op, Entry]] = []
         self._pending_last = 0
+        self._first_at = 0.0
         self._ticket = Ticket()
         self._flush_asked = 0
         self._closing = False
@@ -497,13 +498,19 @@ class Journal:
     def append(self, ops: list[tuple[Op, Entry]]) -> Ticket:
         """Queue records; returns the ticket of the commit that carries them. No I/O."""
         with self._cond:
+            first = not self._pending
             for op, e in ops:
                 self._pending.append(pack_record(op, self._seq, e))
                 self._pending_ops.append((op, e))
                 self._seq += 1
             self._pending_last = self._seq - 1
             ticket = self._ticket
-            if self.durability is not Durability.BATCH:
+            if first:
+                # The batch window opens with its first record (batch mode commits it
+                # within interval_s of now); other modes commit at once.
+                self._first_at = time.monotonic()
+                self._cond.notify_all()
+            elif self.durability is not Durability.BATCH:
                 self._cond.notify_all()
             return ticket
 
@@ -546,16 +553,18 @@ class Journal:
     def _run(self) -> None:
         while True:
             with self._cond:
-                deadline = time.monotonic() + self.interval_s
-                while not self._closing:
-                    if self._pending and self.durability is not Durability.BATCH:
+                while True:
+                    if self._flush_asked or (self._closing and not self._pending):
                         break
-                    if self._flush_asked:
-                        break
-                    if self._pending and time.monotonic() >= deadline:
-                        break
-                    timeout = max(0.0, deadline - time.monotonic()) if self._pending else None
-                    self._cond.wait(timeout)
+                    if self._pending:
+                        if self.durability is not Durability.BATCH or self._closing:
+                            break
+                        left = self._first_at + self.interval_s - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._cond.wait(left)
+                    else:
+                        self._cond.wait()
                 if self._closing and not self._pending and not self._flush_asked:
                     return
                 durable = self.durability is not Durability.NONE or self._flush_asked > 0
@@ -563,7 +572,12 @@ class Journal:
                 batch, ops, ticket = self._pending, self._pending_ops, self._ticket
                 last = self._pending_last
                 self._pending, self._pending_ops, self._ticket = [], [], Ticket()
-            ticket._finish(self._commit(batch, ops, durable, last))
+            try:
+                error = self._commit(batch, ops, durable, last)
+            except Exception as exc:  # a bug here must not leave sync writers waiting forever
+                log.exception("nvme: journal commit thread failed")
+                error = OSError(f"journal commit failed: {exc!r}")
+            ticket._finish(error)
 
     def _commit(
         self, batch: list[bytes], ops: list[tuple[Op, Entry]], durable: bool, last_seq: int

@@ -102,3 +102,16 @@ def test_codec_round_trips_and_writes_fewer_bytes(make_store, tmp_path: Path) ->
     assert store.get([key(i) for i in range(n)], out).result().chunks == n
     assert np.array_equal(out, data)
     assert get_all(store, [100], big) == {100: True}
+
+
+def test_batch_commits_on_its_own_without_a_flush(make_store) -> None:
+    import time
+
+    store, tier = make_store(durability=Durability.BATCH, batch_interval_ms=10.0)
+    before = tier.nvme_stats().commits
+    store.put([key(1)], values([1])).result()
+    for _ in range(1000):  # wait for the event, not for a duration
+        if tier.nvme_stats().commits > before:
+            break
+        time.sleep(0.01)
+    assert tier.nvme_stats().commits > before
