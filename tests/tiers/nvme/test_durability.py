@@ -115,3 +115,15 @@ def test_batch_commits_on_its_own_without_a_flush(make_store) -> None:
             break
         time.sleep(0.01)
     assert tier.nvme_stats().commits > before
+
+
+def test_encoded_chunks_read_back_after_the_codec_is_turned_off(make_store) -> None:
+    big = 1 << 20
+    store, _ = make_store(codec=Codec.LZ4_SHUFFLE, slot=big, cap=16 * big)
+    data = np.concatenate([_kv_like(big, i) for i in range(4)])
+    assert store.put([key(i) for i in range(4)], data).result().stored == 4
+    store.close()
+    store, _ = make_store(slot=big, cap=16 * big)  # codec = "none" now
+    out = np.zeros_like(data)
+    assert store.get([key(i) for i in range(4)], out).result().chunks == 4
+    assert np.array_equal(out, data)
