@@ -102,6 +102,21 @@ def write_table(
         np.cumsum(lens[:-1], out=table["offset"][1:])
 
 
+def pack_head(keys: list[ChunkKey] | tuple[ChunkKey, ...], lengths: list[int]) -> bytes:
+    """Header and table of a body whose values follow packed; send the values after it
+    as they are (no copy into one body)."""
+    for key in keys:
+        if len(key) != KEY_BYTES:
+            raise InputError(f"a key of {len(key)} bytes; keys are {KEY_BYTES} bytes")
+    if any(n < 1 for n in lengths):
+        raise InputError("empty values cannot be stored")
+    head = bytearray(table_bytes(len(keys)))
+    view = memoryview(head)
+    write_header(view, len(keys), len(head))
+    write_table(view, keys, lengths)
+    return bytes(head)
+
+
 def pack(keys: list[ChunkKey] | tuple[ChunkKey, ...], values: list[bytes | memoryview]) -> bytearray:
     """One batch body holding ``values`` packed back to back (copies each value once)."""
     if len(keys) != len(values):
