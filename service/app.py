@@ -268,6 +268,7 @@ def create_app(cfg: KVTierConfig, *, built: Built | None = None) -> FastAPI:
             d.ready = False
             log.info("kvtier daemon shutting down: flushing and closing the store")
             await asyncio.to_thread(d.store.close)
+            log.info("kvtier daemon: store closed")
 
     app = FastAPI(
         title="kvtier daemon",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
 import httpx
@@ -48,6 +48,17 @@ def _writable(buf: Buffer) -> memoryview:
     if view.readonly:
         raise InputError("destination buffer is read-only")
     return view
+
+
+class _AsyncParts:
+    """Body pieces for httpx.AsyncClient, iterable again on a retry."""
+
+    def __init__(self, parts: list[memoryview]) -> None:
+        self.parts = parts
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for part in self.parts:
+            yield part  # type: ignore[misc]  # httpx sends any bytes-like piece
 
 
 class _Base:
@@ -87,7 +98,7 @@ class _Base:
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self._limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
 
-    def _request_kwargs(self, call: Call) -> dict[str, Any]:
+    def _request_kwargs(self, call: Call, *, asynchronous: bool = False) -> dict[str, Any]:
         kw: dict[str, Any] = {"headers": self._headers}
         if call.json is not None:
             kw["content"] = json.dumps(call.json).encode()
@@ -96,7 +107,7 @@ class _Base:
             # Pieces go out one after the other under one Content-Length: no joined copy.
             parts = call.content if isinstance(call.content, list) else [call.content]
             views = [memoryview(x).cast("B") for x in parts]
-            kw["content"] = views
+            kw["content"] = _AsyncParts(views) if asynchronous else views
             kw["headers"] = {
                 **self._headers,
                 "Content-Type": p.wire.MEDIA_TYPE,
@@ -267,7 +278,7 @@ class AsyncClient(_Base):
             await asyncio.sleep(delay)
 
     async def _send_once(self, call: Call) -> Reply:
-        kw = self._request_kwargs(call)
+        kw = self._request_kwargs(call, asynchronous=True)
         if call.sink is None:
             r = await self._http.request(call.method, call.path, **kw)
             return self._reply(r.status_code, r.content, r.headers.get("content-type", ""))
