@@ -25,9 +25,9 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from importlib import resources
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from kvtier.errors import ConfigError
@@ -310,7 +310,9 @@ def _validate_service(s: ServiceConfig) -> None:
             f"at least one token: the daemon binds {s.host!r}, which is not loopback",
         )
     if s.max_value_bytes < 0:
-        raise ConfigError("service.max_value_bytes", s.max_value_bytes, "0 (the chunk size) or more")
+        raise ConfigError(
+            "service.max_value_bytes", s.max_value_bytes, "0 (the chunk size) or more"
+        )
     if s.max_body_bytes < 4096:
         raise ConfigError("service.max_body_bytes", s.max_body_bytes, "at least 4KiB")
     if not 1 <= s.max_batch_keys <= 1 << 20:

@@ -33,9 +33,17 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import ClosedError, ConfigError, InputError
 from kvtier.factory import Built, build_store
 from kvtier.keys import ChunkKey
-from kvtier.service import wire
-from kvtier.service.metrics import MetricsMiddleware, RequestMetrics, TenantCounters, store_exposition
-from kvtier.service.schemas import (
+from kvtier.store.store import TieredStore
+from kvtier.store.types import PutResult
+
+from . import wire
+from .metrics import (
+    MetricsMiddleware,
+    RequestMetrics,
+    TenantCounters,
+    store_exposition,
+)
+from .schemas import (
     KEY_PATTERN,
     DeleteResponse,
     ErrorResponse,
@@ -49,9 +57,7 @@ from kvtier.service.schemas import (
     TenantStatsModel,
     TierStatsModel,
 )
-from kvtier.service.tenants import Authenticator, KeyMapper, Tenant
-from kvtier.store.store import TieredStore
-from kvtier.store.types import PutResult
+from .tenants import Authenticator, KeyMapper, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -114,18 +120,27 @@ class Daemon:
             raise ApiError(
                 413,
                 "batch_too_large",
-                f"{len(hex_keys)} keys; the limit is {self.limits.max_batch_keys} (service.max_batch_keys)",
+                f"{len(hex_keys)} keys; the limit is {self.limits.max_batch_keys} "
+                "(service.max_batch_keys)",
             )
-        return self.mapper.map(tenant, (ChunkKey(bytes.fromhex(k)) for k in hex_keys))
+        out: list[ChunkKey] = self.mapper.map(
+            tenant, (ChunkKey(bytes.fromhex(k)) for k in hex_keys)
+        )
+        return out
 
     def key(self, tenant: Tenant, hex_key: str) -> ChunkKey:
         if not _KEY_RE.match(hex_key):  # routes validate too; this guards direct callers
             raise ApiError(400, "bad_key", f"key {hex_key[:40]!r} is not 32 hex digits")
-        return self.mapper.map(tenant, (ChunkKey(bytes.fromhex(hex_key)),))[0]
+        (out,) = self.mapper.map(tenant, (ChunkKey(bytes.fromhex(hex_key)),))
+        return ChunkKey(out)
 
 
-def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(ErrorResponse(code=code, message=message).model_dump(), status, headers=headers)
+def _error(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        ErrorResponse(code=code, message=message).model_dump(), status, headers=headers
+    )
 
 
 _STATUS_CODES = {
@@ -166,7 +181,8 @@ class BodyLimit:
                     resp = _error(
                         413,
                         "body_too_large",
-                        f"body of {declared} B; the limit is {self.limit} B (service.max_body_bytes)",
+                        f"body of {declared} B; the limit is {self.limit} B "
+                        "(service.max_body_bytes)",
                     )
                     await resp(scope, receive, send)
                     return
@@ -236,7 +252,9 @@ def _tenant(
 
 
 TenantDep = Annotated[Tenant, Depends(_tenant)]
-KeyPath = Annotated[str, Path(pattern=KEY_PATTERN, description="The chunk key: 32 hex digits (16 bytes).")]
+KeyPath = Annotated[
+    str, Path(pattern=KEY_PATTERN, description="The chunk key: 32 hex digits (16 bytes).")
+]
 
 
 def create_app(cfg: KVTierConfig, *, built: Built | None = None) -> FastAPI:
@@ -279,9 +297,12 @@ def create_app(cfg: KVTierConfig, *, built: Built | None = None) -> FastAPI:
         responses=_ERRORS,
     )
     app.state.daemon = d
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = exc.code if isinstance(exc, ApiError) else _STATUS_CODES.get(exc.status_code, "error")
+        code = (
+            exc.code if isinstance(exc, ApiError) else _STATUS_CODES.get(exc.status_code, "error")
+        )
         status = exc.status_code if 400 <= exc.status_code < 500 or exc.status_code == 503 else 400
         return _error(status, code, str(exc.detail), dict(exc.headers or {}))
 
@@ -335,9 +356,13 @@ def create_app(cfg: KVTierConfig, *, built: Built | None = None) -> FastAPI:
             "# TYPE kvtier_service_ready gauge",
             f"kvtier_service_ready {int(d.ready)}",
         ]
-        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(
+            "\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
-    @app.get("/v1/stats", tags=["ops"], summary="Store counters, the caller's own counters, limits.")
+    @app.get(
+        "/v1/stats", tags=["ops"], summary="Store counters, the caller's own counters, limits."
+    )
     async def stats(t: TenantDep) -> StatsResponse:
         st = d.store.stats()
         raw = asdict(st)
@@ -411,7 +436,9 @@ def create_app(cfg: KVTierConfig, *, built: Built | None = None) -> FastAPI:
     )
     async def lookup(req: KeysRequest, t: TenantDep) -> LookupResponse:
         res = d.store.lookup(d.keys(t, req.keys))
-        d.tenants.add(t.name, lookup_hit_chunks=res.hits, lookup_miss_chunks=len(req.keys) - res.hits)
+        d.tenants.add(
+            t.name, lookup_hit_chunks=res.hits, lookup_miss_chunks=len(req.keys) - res.hits
+        )
         return LookupResponse(hits=res.hits, tiers=list(res.tiers))
 
     @app.post(
@@ -419,7 +446,9 @@ def create_app(cfg: KVTierConfig, *, built: Built | None = None) -> FastAPI:
         tags=["batch"],
         summary="Read the leading run of present keys as one batch body (see the description).",
         response_class=Response,
-        responses={200: {"description": "A batch body (KVTB format) of the leading hits.", **_BINARY_BODY}},
+        responses={
+            200: {"description": "A batch body (KVTB format) of the leading hits.", **_BINARY_BODY}
+        },
     )
     async def batch_get(req: KeysRequest, t: TenantDep) -> Response:
         ikeys = d.keys(t, req.keys)
@@ -472,9 +501,7 @@ def create_app(cfg: KVTierConfig, *, built: Built | None = None) -> FastAPI:
             wait(d.store.put(ikeys[r.start : r.start + r.count], r.data)) for r in runs
         ]
         results = list(await asyncio.gather(*futs))
-        stored_bytes = sum(
-            res.stored * r.value_bytes for res, r in zip(results, runs, strict=True)
-        )
+        stored_bytes = sum(res.stored * r.value_bytes for res, r in zip(results, runs, strict=True))
         out = _put_response(results)
         d.tenants.add(t.name, put_chunks=out.stored, put_bytes=stored_bytes)
         return out
@@ -524,4 +551,3 @@ _DESCRIPTION = (
     "**Batch body format** (`POST /v1/batch/put` request, `POST /v1/batch/get` response):\n\n"
     + "\n".join("    " + line for line in (wire.__doc__ or "").splitlines())
 )
-

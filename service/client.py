@@ -21,16 +21,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Generator, Sequence
 from typing import Any, TypeVar
 
 import httpx
 import numpy as np
 
 from kvtier.errors import InputError, TransportError
-from kvtier.service import protocol as p
-from kvtier.service.protocol import Call, Fetched, KeyLike, Op, Reply, RetryPolicy
 from kvtier.store.types import LookupResult, PutResult
+
+from . import protocol as p
+from . import wire
+from .protocol import Call, Fetched, KeyLike, Op, Reply, RetryPolicy
 
 T = TypeVar("T")
 
@@ -110,7 +112,7 @@ class _Base:
             kw["content"] = _AsyncParts(views) if asynchronous else views
             kw["headers"] = {
                 **self._headers,
-                "Content-Type": p.wire.MEDIA_TYPE,
+                "Content-Type": wire.MEDIA_TYPE,
                 "Content-Length": str(sum(v.nbytes for v in views)),
             }
         return kw
@@ -141,8 +143,14 @@ class _Base:
 class Client(_Base):
     """Blocking client. Thread-safe: share one between threads."""
 
-    def __init__(self, url: str = DEFAULT_URL, token: str | None = None, *,
-                 transport: httpx.BaseTransport | None = None, **kw: Any) -> None:
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        token: str | None = None,
+        *,
+        transport: httpx.BaseTransport | None = None,
+        **kw: Any,
+    ) -> None:
         super().__init__(url, token, **kw)
         self._http = httpx.Client(
             base_url=self.url, timeout=self._timeout, limits=self._limits, transport=transport
@@ -154,7 +162,7 @@ class Client(_Base):
             try:
                 reply = self._send_once(call)
             except httpx.HTTPError as exc:
-                err = self._translate(exc, call)
+                err: TransportError | None = self._translate(exc, call)
             else:
                 if reply.status not in p.RETRY_STATUSES:
                     return reply
@@ -181,7 +189,7 @@ class Client(_Base):
                 call.sink.feed(piece)
             return Reply(200, b"")
 
-    def _run(self, op: Op[T]) -> T:
+    def _run(self, op: Generator[Call, Reply, T]) -> T:
         try:
             call = next(op)
             while True:
@@ -211,7 +219,9 @@ class Client(_Base):
         """Length of the leading run of present keys, and the tier of each hit."""
         return self._run(self._lookup(keys))
 
-    def put_many(self, keys: Sequence[KeyLike], values: Sequence[bytes | bytearray | memoryview]) -> PutResult:
+    def put_many(
+        self, keys: Sequence[KeyLike], values: Sequence[bytes | bytearray | memoryview]
+    ) -> PutResult:
         """Store values in as few batch requests as the limits allow."""
         return self._run(self._put_many(keys, values))
 
@@ -250,8 +260,14 @@ class Client(_Base):
 class AsyncClient(_Base):
     """asyncio client. Use from one event loop; concurrent tasks share its pool."""
 
-    def __init__(self, url: str = DEFAULT_URL, token: str | None = None, *,
-                 transport: httpx.AsyncBaseTransport | None = None, **kw: Any) -> None:
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        token: str | None = None,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        **kw: Any,
+    ) -> None:
         super().__init__(url, token, **kw)
         self._http = httpx.AsyncClient(
             base_url=self.url, timeout=self._timeout, limits=self._limits, transport=transport
@@ -263,7 +279,7 @@ class AsyncClient(_Base):
             try:
                 reply = await self._send_once(call)
             except httpx.HTTPError as exc:
-                err = self._translate(exc, call)
+                err: TransportError | None = self._translate(exc, call)
             else:
                 if reply.status not in p.RETRY_STATUSES:
                     return reply
@@ -290,7 +306,7 @@ class AsyncClient(_Base):
                 call.sink.feed(piece)
             return Reply(200, b"")
 
-    async def _run(self, op: Op[T]) -> T:
+    async def _run(self, op: Generator[Call, Reply, T]) -> T:
         try:
             call = next(op)
             while True:

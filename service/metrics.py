@@ -39,7 +39,9 @@ class RequestMetrics:
         self._bytes_out: dict[str, int] = {}
         self.in_flight = 0
 
-    def observe(self, route: str, method: str, status: int, seconds: float, nin: int, nout: int) -> None:
+    def observe(
+        self, route: str, method: str, status: int, seconds: float, nin: int, nout: int
+    ) -> None:
         with self._lock:
             key = (route, method, status)
             self._count[key] = self._count.get(key, 0) + 1
@@ -66,10 +68,11 @@ class RequestMetrics:
         ]
         for (route, method, status), n in sorted(count.items()):
             out.append(
-                f'kvtier_http_requests_total{{route="{route}",method="{method}",status="{status}"}} {n}'
+                "kvtier_http_requests_total"
+                f'{{route="{route}",method="{method}",status="{status}"}} {n}'
             )
         out += [
-            "# HELP kvtier_http_request_duration_seconds Time from request start to last byte sent.",
+            "# HELP kvtier_http_request_duration_seconds Request start to last byte sent.",
             "# TYPE kvtier_http_request_duration_seconds histogram",
         ]
         for (route, method), h in sorted(hist.items()):
@@ -78,8 +81,12 @@ class RequestMetrics:
             for le, n in zip((*BUCKETS_S, float("inf")), h, strict=True):
                 acc += n
                 le_s = "+Inf" if le == float("inf") else repr(le)
-                out.append(f'kvtier_http_request_duration_seconds_bucket{{{labels},le="{le_s}"}} {acc}')
-            out.append(f"kvtier_http_request_duration_seconds_sum{{{labels}}} {sums[(route, method)]}")
+                out.append(
+                    f'kvtier_http_request_duration_seconds_bucket{{{labels},le="{le_s}"}} {acc}'
+                )
+            out.append(
+                f"kvtier_http_request_duration_seconds_sum{{{labels}}} {sums[(route, method)]}"
+            )
             out.append(f"kvtier_http_request_duration_seconds_count{{{labels}}} {acc}")
         for name, data, what in (
             ("kvtier_http_request_bytes_total", bin_, "Request body bytes received"),
@@ -98,7 +105,14 @@ class RequestMetrics:
 class TenantCounters:
     """Per-tenant chunk counters (hits, misses, bytes). Thread-safe."""
 
-    NAMES = ("lookup_hit_chunks", "lookup_miss_chunks", "get_chunks", "get_bytes", "put_chunks", "put_bytes")
+    NAMES = (
+        "lookup_hit_chunks",
+        "lookup_miss_chunks",
+        "get_chunks",
+        "get_bytes",
+        "put_chunks",
+        "put_bytes",
+    )
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -122,7 +136,10 @@ class TenantCounters:
         out: list[str] = []
         for name in self.NAMES:
             metric = f"kvtier_tenant_{name}_total"
-            out += [f"# HELP {metric} Per-tenant {name.replace('_', ' ')}.", f"# TYPE {metric} counter"]
+            out += [
+                f"# HELP {metric} Per-tenant {name.replace('_', ' ')}.",
+                f"# TYPE {metric} counter",
+            ]
             out += [f'{metric}{{tenant="{t}"}} {c[name]}' for t, c in sorted(snap.items())]
         return out
 
@@ -141,8 +158,10 @@ def store_exposition(stats: StoreStats) -> list[str]:
             f"# TYPE {metric} {'gauge' if gauge else 'counter'}",
             f"{metric} {value}",
         ]
-    out += ["# HELP kvtier_store_tier_hits_total Chunks served, by tier.",
-            "# TYPE kvtier_store_tier_hits_total counter"]
+    out += [
+        "# HELP kvtier_store_tier_hits_total Chunks served, by tier.",
+        "# TYPE kvtier_store_tier_hits_total counter",
+    ]
     out += [f'kvtier_store_tier_hits_total{{tier="{t}"}} {n}' for t, n in stats.tier_hits]
     per_tier: Iterable[tuple[str, str, str]] = (
         ("capacity_bytes", "gauge", "Bytes the tier may hold"),
@@ -154,7 +173,9 @@ def store_exposition(stats: StoreStats) -> list[str]:
     for name, kind, what in per_tier:
         metric = f"kvtier_tier_{name}" + ("_total" if kind == "counter" else "")
         out += [f"# HELP {metric} {what}.", f"# TYPE {metric} {kind}"]
-        out += [f'{metric}{{tier="{t.name}",kind="{t.kind}"}} {getattr(t, name)}' for t in stats.tiers]
+        out += [
+            f'{metric}{{tier="{t.name}",kind="{t.kind}"}} {getattr(t, name)}' for t in stats.tiers
+        ]
     return out
 
 
@@ -202,5 +223,10 @@ class MetricsMiddleware:
             template = getattr(route, "path", None) or "other"
             method = scope.get("method", "?")
             self.metrics.observe(
-                template, method if method in _METHODS else "other", status, time.perf_counter() - t0, nin, nout
+                template,
+                method if method in _METHODS else "other",
+                status,
+                time.perf_counter() - t0,
+                nin,
+                nout,
             )

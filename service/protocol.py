@@ -32,8 +32,9 @@ import numpy as np
 
 from kvtier.errors import AuthError, InputError, TransportError
 from kvtier.keys import KEY_BYTES, ChunkKey
-from kvtier.service import wire
 from kvtier.store.types import LookupResult, PutResult
+
+from . import wire
 
 T = TypeVar("T")
 
@@ -102,11 +103,17 @@ class BatchSink:
         if len(self._head) < wire.HEADER_BYTES:
             return
         magic, version, _flags, count, payload_offset = wire.HEADER.unpack_from(self._head, 0)
-        if magic != wire.MAGIC or version != wire.VERSION or payload_offset < wire.table_bytes(count):
+        if (
+            magic != wire.MAGIC
+            or version != wire.VERSION
+            or payload_offset < wire.table_bytes(count)
+        ):
             raise TransportError("the daemon sent a batch body with a bad header")
         if len(self._head) < payload_offset:
             return
-        table = np.frombuffer(self._head, dtype=wire.TABLE_DTYPE, count=count, offset=wire.HEADER_BYTES)
+        table = np.frombuffer(
+            self._head, dtype=wire.TABLE_DTYPE, count=count, offset=wire.HEADER_BYTES
+        )
         lengths = table["length"].astype(np.int64)
         packed = np.zeros(count, np.int64)
         np.cumsum(lengths[:-1], out=packed[1:])
@@ -136,7 +143,9 @@ class BatchSink:
         if not self._parsed:
             raise TransportError("the daemon sent a batch body shorter than its header")
         if self._got < self._need:
-            raise TransportError(f"the batch body ended after {self._got} of {self._need} payload bytes")
+            raise TransportError(
+                f"the batch body ended after {self._got} of {self._need} payload bytes"
+            )
         return self.count, tuple(self._lengths), self.truncated
 
 
@@ -302,7 +311,8 @@ def op_put_many(
             nbytes += more
             hi += 1
         head = wire.pack_head(raws[lo:hi], sizes[lo:hi])
-        parts = [head, *(memoryview(v).cast("B") for v in values[lo:hi])]
+        parts: list[bytes | memoryview] = [head]
+        parts += (memoryview(v).cast("B") for v in values[lo:hi])
         res = _put_result((yield Call("POST", "/v1/batch/put", content=parts)))
         for i, v in enumerate((res.stored, res.present, res.rejected, res.failed)):
             totals[i] += v

@@ -23,7 +23,6 @@ def serve(cfg: KVTierConfig) -> None:
         PluginError: a tier kind that cannot be imported.
     """
     import uvicorn
-
     from kvtier.service.app import create_app
 
     app = create_app(cfg)

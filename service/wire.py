@@ -89,7 +89,9 @@ def write_header(buf: memoryview, count: int, payload_offset: int, flags: int = 
 
 
 def write_table(
-    buf: memoryview, keys: list[ChunkKey] | tuple[ChunkKey, ...], lengths: list[int] | tuple[int, ...]
+    buf: memoryview,
+    keys: list[ChunkKey] | tuple[ChunkKey, ...],
+    lengths: list[int] | tuple[int, ...],
 ) -> None:
     """Write the table of packed values (offsets follow from the lengths) after the header."""
     n = len(keys)
@@ -117,7 +119,9 @@ def pack_head(keys: list[ChunkKey] | tuple[ChunkKey, ...], lengths: list[int]) -
     return bytes(head)
 
 
-def pack(keys: list[ChunkKey] | tuple[ChunkKey, ...], values: list[bytes | memoryview]) -> bytearray:
+def pack(
+    keys: list[ChunkKey] | tuple[ChunkKey, ...], values: list[bytes | memoryview]
+) -> bytearray:
     """One batch body holding ``values`` packed back to back (copies each value once)."""
     if len(keys) != len(values):
         raise InputError(f"{len(keys)} keys but {len(values)} values")
@@ -154,7 +158,9 @@ def parse(
     """
     view = memoryview(body).cast("B")
     if view.nbytes < HEADER_BYTES:
-        raise InputError(f"batch body of {view.nbytes} B is shorter than the {HEADER_BYTES}-byte header")
+        raise InputError(
+            f"batch body of {view.nbytes} B is shorter than the {HEADER_BYTES}-byte header"
+        )
     magic, version, flags, count, payload_offset = HEADER.unpack_from(view, 0)
     if magic != MAGIC:
         raise InputError(f"batch body starts with {bytes(magic)!r}, expected magic {MAGIC!r}")
@@ -179,20 +185,26 @@ def parse(
         if (table["length"] < 1).any() or (table["length"] > max_value_bytes).any():
             bad = int(np.argmax((table["length"] < 1) | (table["length"] > max_value_bytes)))
             raise InputError(
-                f"entry {bad}: value of {int(table['length'][bad])} B; values are 1..{max_value_bytes} B"
+                f"entry {bad}: value of {int(table['length'][bad])} B; "
+                f"values are 1..{max_value_bytes} B"
             )
         if (table["offset"] > payload_bytes).any():
             bad = int(np.argmax(table["offset"] > payload_bytes))
-            raise InputError(f"entry {bad}: offset {int(table['offset'][bad])} lies past the payload")
+            raise InputError(
+                f"entry {bad}: offset {int(table['offset'][bad])} lies past the payload"
+            )
         ends = offsets + lengths
         if (ends > payload_bytes).any():
             bad = int(np.argmax(ends > payload_bytes))
             raise InputError(
-                f"entry {bad}: value ends at {int(ends[bad])}, past the payload of {payload_bytes} B"
+                f"entry {bad}: value ends at {int(ends[bad])}, "
+                f"past the payload of {payload_bytes} B"
             )
         if count > 1 and (offsets[1:] < ends[:-1]).any():
             bad = int(np.argmax(offsets[1:] < ends[:-1])) + 1
-            raise InputError(f"entry {bad}: value overlaps the one before (values must be in order)")
+            raise InputError(
+                f"entry {bad}: value overlaps the one before (values must be in order)"
+            )
     keys = tuple(ChunkKey(bytes(k)) for k in table["key"]) if count else ()
     return Batch(
         keys=keys,

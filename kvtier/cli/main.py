@@ -83,7 +83,10 @@ def serve(
         Optional[str],  # noqa: UP045
         typer.Option(help="Address to bind (default 127.0.0.1; anything else needs tokens)."),
     ] = None,
-    port: Annotated[Optional[int], typer.Option(help="TCP port (default 8470).")] = None,  # noqa: UP045
+    port: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(help="TCP port (default 8470)."),
+    ] = None,
 ) -> None:
     """Run the cache daemon: the tiered store over REST (see docs/operations.md)."""
     from kvtier.config import load_config
@@ -98,7 +101,9 @@ def serve(
     try:
         from kvtier.service.server import serve as run_server
     except ImportError as exc:
-        console.print(f"[red]error:[/red] the daemon needs the service extra: pip install 'kvtier[service]' ({exc})")
+        console.print(
+            f"[red]error:[/red] the daemon needs the service extra: pip install 'kvtier[service]' ({exc})"
+        )
         raise typer.Exit(2) from None
     run_server(cfg)
 

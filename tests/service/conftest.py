@@ -21,10 +21,16 @@ import pytest
 
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789ab"}
 SMALL = [
-    "--set", "service.max_value_bytes=1MiB",
-    "--set", "tiers.0.capacity_bytes=64MiB",
-    "--set", "tiers.0.prefault=false",
-    "--set", "store.io_threads=2",
+    "--set",
+    "service.max_value_bytes=1MiB",
+    "--set",
+    "tiers.0.capacity_bytes=64MiB",
+    "--set",
+    "tiers.0.prefault=false",
+    "--set",
+    "tiers.0.pin=off",  # AUTO imports torch only to find no CUDA: slow start
+    "--set",
+    "store.io_threads=2",
 ]
 
 

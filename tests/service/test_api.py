@@ -6,7 +6,6 @@ import os
 
 import httpx
 import pytest
-
 from kvtier.service import wire
 
 from .conftest import Daemon
@@ -93,7 +92,13 @@ def test_batch_get_of_nothing_present_is_an_empty_batch(http: httpx.Client) -> N
         ("POST", "/v1/lookup", {"json": {"keys": ["xyz"]}}, 422, "invalid_request"),
         ("POST", "/v1/lookup", {"json": {"keys": ["0" * 32] * 1025}}, 413, "batch_too_large"),
         ("POST", "/v1/lookup", {"json": {"nokeys": []}}, 422, "invalid_request"),
-        ("POST", "/v1/lookup", {"content": b"{not json", "headers": {"content-type": "application/json"}}, 422, "invalid_request"),
+        (
+            "POST",
+            "/v1/lookup",
+            {"content": b"{not json", "headers": {"content-type": "application/json"}},
+            422,
+            "invalid_request",
+        ),
         ("POST", "/v1/batch/put", {"content": b"short"}, 400, "bad_batch"),
         ("POST", "/v1/batch/put", {"content": b"XXXX" + bytes(12)}, 400, "bad_batch"),
         ("GET", "/v1/nothing-here", {}, 404, "not_found"),

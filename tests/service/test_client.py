@@ -9,11 +9,11 @@ import os
 import httpx
 import numpy as np
 import pytest
-
-from kvtier.errors import AuthError, InputError, TransportError
 from kvtier.service import wire
 from kvtier.service.client import AsyncClient, Client
 from kvtier.service.protocol import BatchSink, RetryPolicy
+
+from kvtier.errors import AuthError, InputError, TransportError
 
 from .conftest import TOKENS, Daemon, DaemonFactory, free_port
 
@@ -101,9 +101,11 @@ def test_async_client_shares_the_same_behaviour(tenant_daemon: Daemon) -> None:
 
 
 def test_refused_token_is_an_auth_error(tenant_daemon: Daemon) -> None:
-    with Client(tenant_daemon.url, "not-a-token-0123456789", retry=FAST_RETRY) as c:
-        with pytest.raises(AuthError, match="401"):
-            c.get(os.urandom(16))
+    with (
+        Client(tenant_daemon.url, "not-a-token-0123456789", retry=FAST_RETRY) as c,
+        pytest.raises(AuthError, match="401"),
+    ):
+        c.get(os.urandom(16))
 
 
 def test_refused_request_is_an_input_error(client: Client) -> None:
@@ -130,15 +132,22 @@ def test_retries_ride_out_a_daemon_answering_503() -> None:
             return httpx.Response(503, json={"code": "not_ready", "message": "starting"})
         return httpx.Response(200, json={"hits": 1, "tiers": ["host"]})
 
-    with Client("http://kvtier.test", retry=FAST_RETRY, transport=httpx.MockTransport(handler)) as c:
+    with Client(
+        "http://kvtier.test", retry=FAST_RETRY, transport=httpx.MockTransport(handler)
+    ) as c:
         assert c.lookup([os.urandom(16)]).hits == 1
     assert calls == ["/v1/lookup"] * 3
 
     calls.clear()
-    with Client("http://kvtier.test", retry=RetryPolicy(retries=1, backoff_s=0.001),
-                transport=httpx.MockTransport(handler)) as c:
-        with pytest.raises(TransportError, match="503"):
-            c.lookup([os.urandom(16)])
+    with (
+        Client(
+            "http://kvtier.test",
+            retry=RetryPolicy(retries=1, backoff_s=0.001),
+            transport=httpx.MockTransport(handler),
+        ) as c,
+        pytest.raises(TransportError, match="503"),
+    ):
+        c.lookup([os.urandom(16)])
 
 
 def test_batch_sink_parses_a_body_fed_one_byte_at_a_time() -> None:
@@ -161,9 +170,14 @@ def test_batch_sink_parses_a_body_fed_one_byte_at_a_time() -> None:
 
 def test_bad_json_from_a_broken_daemon_is_a_transport_error() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, content=json.dumps({"stored": "many"}).encode(),
-                              headers={"content-type": "application/json"})
+        return httpx.Response(
+            200,
+            content=json.dumps({"stored": "many"}).encode(),
+            headers={"content-type": "application/json"},
+        )
 
-    with Client("http://kvtier.test", transport=httpx.MockTransport(handler)) as c:
-        with pytest.raises(TransportError, match="unexpected put answer"):
-            c.put(os.urandom(16), b"v")
+    with (
+        Client("http://kvtier.test", transport=httpx.MockTransport(handler)) as c,
+        pytest.raises(TransportError, match="unexpected put answer"),
+    ):
+        c.put(os.urandom(16), b"v")

@@ -7,7 +7,6 @@ import subprocess
 
 import httpx
 import pytest
-
 from kvtier.service import wire
 
 from .conftest import TOKENS, Daemon, free_port, kvtier_cmd
@@ -39,7 +38,9 @@ def test_second_tenant_gets_neither_hits_nor_existence_answers(
         assert bob.get(f"/v1/chunks/{k}").status_code == 404
         assert bob.head(f"/v1/chunks/{k}").status_code == 404
     assert bob.post("/v1/lookup", json={"keys": ks}).json() == {"hits": 0, "tiers": []}
-    got = wire.parse(bob.post("/v1/batch/get", json={"keys": ks}).content, max_count=3, max_value_bytes=1 << 20)
+    got = wire.parse(
+        bob.post("/v1/batch/get", json={"keys": ks}).content, max_count=3, max_value_bytes=1 << 20
+    )
     assert got.keys == ()
     # ... cannot delete them ...
     assert bob.delete(f"/v1/chunks/{ks[0]}").json() == {"deleted": 0}
@@ -50,7 +51,9 @@ def test_second_tenant_gets_neither_hits_nor_existence_answers(
     assert alice.post("/v1/lookup", json={"keys": ks}).json()["hits"] == 3
 
 
-def test_per_tenant_stats_count_only_the_callers_work(alice: httpx.Client, bob: httpx.Client) -> None:
+def test_per_tenant_stats_count_only_the_callers_work(
+    alice: httpx.Client, bob: httpx.Client
+) -> None:
     before = bob.get("/v1/stats").json()["tenant"]
     alice.put(f"/v1/chunks/{os.urandom(16).hex()}", content=b"z" * 100)
     after = bob.get("/v1/stats").json()["tenant"]
@@ -70,7 +73,12 @@ def test_per_tenant_stats_count_only_the_callers_work(alice: httpx.Client, bob: 
 )
 def test_requests_without_a_valid_token_are_refused(tenant_daemon: Daemon, headers: dict) -> None:
     k = os.urandom(16).hex()
-    for method, path in (("GET", f"/v1/chunks/{k}"), ("POST", "/v1/lookup"), ("GET", "/v1/stats"), ("GET", "/metrics")):
+    for method, path in (
+        ("GET", f"/v1/chunks/{k}"),
+        ("POST", "/v1/lookup"),
+        ("GET", "/v1/stats"),
+        ("GET", "/metrics"),
+    ):
         r = httpx.request(method, tenant_daemon.url + path, headers=headers, json={"keys": [k]})
         assert r.status_code == 401, (method, path, r.text)
         assert r.headers["www-authenticate"] == "Bearer"
@@ -87,7 +95,10 @@ def test_daemon_refuses_a_non_loopback_bind_without_tokens(host: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     r = subprocess.run(
         [*kvtier_cmd(), "serve", "--host", host, "--port", str(free_port())],
-        capture_output=True, text=True, timeout=60, env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
     assert r.returncode == 2
     assert "service.tokens" in r.stderr
@@ -98,7 +109,11 @@ def test_weak_tokens_are_refused_at_start_up() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     env["KVTIER_SERVICE__TOKENS__ALICE"] = "short"
     r = subprocess.run(
-        [*kvtier_cmd(), "serve", "--port", str(free_port())], capture_output=True, text=True, timeout=60, env=env
+        [*kvtier_cmd(), "serve", "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
     assert r.returncode == 2
     assert "service.tokens.alice" in r.stderr

@@ -8,9 +8,9 @@ import struct
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from kvtier.service import wire
 
 from kvtier.errors import InputError
-from kvtier.service import wire
 
 
 @given(st.lists(st.binary(min_size=1, max_size=64), max_size=20))
@@ -26,7 +26,9 @@ def test_pack_parse_round_trip(values: list[bytes]) -> None:
         assert {len(v) for v in values[r.start : r.start + r.count]} == {r.value_bytes}
 
 
-def _body(entries: list[tuple[int, int]], payload: bytes, payload_offset: int | None = None) -> bytes:
+def _body(
+    entries: list[tuple[int, int]], payload: bytes, payload_offset: int | None = None
+) -> bytes:
     start = wire.table_bytes(len(entries)) if payload_offset is None else payload_offset
     head = struct.pack("<4sHHII", b"KVTB", 1, 0, len(entries), start)
     table = b"".join(os.urandom(16) + struct.pack("<QQ", o, n) for o, n in entries)
@@ -56,7 +58,10 @@ def test_malformed_bodies_are_refused_naming_the_problem(body: bytes, match: str
 
 
 def test_padding_and_gaps_are_allowed() -> None:
-    batch = wire.parse(_body([(0, 2), (8, 3)], b"ab______cde", payload_offset=4096),
-                       max_count=2, max_value_bytes=64)
+    batch = wire.parse(
+        _body([(0, 2), (8, 3)], b"ab______cde", payload_offset=4096),
+        max_count=2,
+        max_value_bytes=64,
+    )
     assert [bytes(batch.value(i)) for i in range(2)] == [b"ab", b"cde"]
     assert len(wire.runs(batch)) == 2
