@@ -37,6 +37,7 @@ from kvtier.store.store import TieredStore
 from kvtier.store.types import PutResult
 
 from . import wire
+from .fastpath import FastPath
 from .metrics import (
     MetricsMiddleware,
     RequestMetrics,
@@ -127,6 +128,24 @@ class Daemon:
             tenant, (ChunkKey(bytes.fromhex(k)) for k in hex_keys)
         )
         return out
+
+    async def put_value(self, t: Tenant, hex_key: str, value: bytes | memoryview) -> PutResult:
+        """Store one value for tenant ``t`` (the shared logic of both PUT paths)."""
+        if not len(value):
+            raise ApiError(400, "empty_value", "a value of 0 bytes cannot be stored")
+        res: PutResult = await asyncio.wrap_future(self.store.put([self.key(t, hex_key)], value))
+        self.tenants.add(t.name, put_chunks=res.stored, put_bytes=len(value) * res.stored)
+        return res
+
+    async def get_value(self, t: Tenant, hex_key: str) -> memoryview | None:
+        """One value for tenant ``t``, or None (the shared logic of both GET paths)."""
+        buf = np.empty(self.limits.max_value_bytes, dtype=np.uint8)
+        res = await asyncio.wrap_future(self.store.get([self.key(t, hex_key)], buf))
+        if not res.chunks:
+            self.tenants.add(t.name, lookup_miss_chunks=1)
+            return None
+        self.tenants.add(t.name, get_chunks=1, get_bytes=res.nbytes)
+        return buf.data[: res.nbytes]
 
     def key(self, tenant: Tenant, hex_key: str) -> ChunkKey:
         if not _KEY_RE.match(hex_key):  # routes validate too; this guards direct callers
@@ -384,12 +403,7 @@ def create_app(cfg: KVTierConfig, *, built: Built | None = None) -> FastAPI:
     )
     async def put_chunk(key: KeyPath, request: Request, t: TenantDep) -> PutResponse:
         body = await read_body(request, d.limits.max_value_bytes, "value")
-        if not body:
-            raise ApiError(400, "empty_value", "a value of 0 bytes cannot be stored")
-        ikey = d.key(t, key)
-        res = await wait(d.store.put([ikey], body))
-        d.tenants.add(t.name, put_chunks=res.stored, put_bytes=len(body) * res.stored)
-        return _put_response([res])
+        return _put_response([await d.put_value(t, key, body)])
 
     @app.get(
         "/v1/chunks/{key}",
@@ -402,14 +416,10 @@ def create_app(cfg: KVTierConfig, *, built: Built | None = None) -> FastAPI:
         },
     )
     async def get_chunk(key: KeyPath, t: TenantDep) -> Response:
-        ikey = d.key(t, key)
-        buf = np.empty(d.limits.max_value_bytes, dtype=np.uint8)
-        res = await wait(d.store.get([ikey], buf))
-        if not res.chunks:
-            d.tenants.add(t.name, lookup_miss_chunks=1)
+        value = await d.get_value(t, key)
+        if value is None:
             return _error(404, "not_found", f"key {key} is not present")
-        d.tenants.add(t.name, get_chunks=1, get_bytes=res.nbytes)
-        return Response(buf.data[: res.nbytes], media_type=OCTET)
+        return Response(value, media_type=OCTET)
 
     @app.head(
         "/v1/chunks/{key}",
@@ -511,7 +521,9 @@ def create_app(cfg: KVTierConfig, *, built: Built | None = None) -> FastAPI:
 
 
 def _wrap(app: FastAPI, d: Daemon) -> FastAPI:
-    # Outermost first: metrics see every request, including those BodyLimit refuses.
+    # Added innermost first: metrics see every request, including those BodyLimit refuses
+    # and those the fast path answers.
+    app.add_middleware(FastPath, daemon=d)  # type: ignore[arg-type]
     app.add_middleware(BodyLimit, limit=d.limits.max_body_bytes)  # type: ignore[arg-type]
     app.add_middleware(MetricsMiddleware, metrics=d.metrics)  # type: ignore[arg-type]
     return app

@@ -65,12 +65,14 @@ class Daemon:
         return self.proc.returncode
 
 
-def start_daemon(tmp: Path, *args: str, tokens: dict[str, str] | None = None) -> Daemon:
-    port = free_port()
+def start_daemon(
+    tmp: Path, *args: str, tokens: dict[str, str] | None = None, port: int | None = None
+) -> Daemon:
+    port = port or free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     for tenant, token in (tokens or {}).items():
         env[f"KVTIER_SERVICE__TOKENS__{tenant.upper()}"] = token
-    log = tmp / f"daemon-{port}.log"
+    log = tmp / f"daemon-{port}-{time.monotonic_ns()}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [*kvtier_cmd(), "serve", "--port", str(port), *SMALL, *args],
@@ -101,8 +103,8 @@ def daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonF
     started: list[Daemon] = []
     tmp = tmp_path_factory.mktemp("daemon")
 
-    def make(*args: str, tokens: dict[str, str] | None = None) -> Daemon:
-        d = start_daemon(tmp, *args, tokens=tokens)
+    def make(*args: str, tokens: dict[str, str] | None = None, port: int | None = None) -> Daemon:
+        d = start_daemon(tmp, *args, tokens=tokens, port=port)
         started.append(d)
         return d
 

@@ -181,3 +181,36 @@ def test_bad_json_from_a_broken_daemon_is_a_transport_error() -> None:
         pytest.raises(TransportError, match="unexpected put answer"),
     ):
         c.put(os.urandom(16), b"v")
+
+
+def test_client_reconnects_when_a_stopped_daemon_returns(daemon_factory: DaemonFactory) -> None:
+    first = daemon_factory()
+    port = int(first.url.rsplit(":", 1)[1])
+    with Client(first.url, retry=FAST_RETRY, connect_timeout_s=1) as c:
+        k = os.urandom(16)
+        assert c.put(k, b"before").stored == 1  # leaves a kept-alive connection in the pool
+        first.stop()
+        with pytest.raises(TransportError):
+            c.get(k)
+        second = daemon_factory(port=port)
+        # The host tier starts empty: a miss, not an error, on a fresh connection.
+        assert c.get(k) is None
+        assert c.put(k, b"after").stored == 1
+        assert c.get(k) == b"after"
+        second.stop()
+
+
+def test_chunked_upload_takes_the_documented_route(daemon: Daemon) -> None:
+    k, v = os.urandom(16).hex(), os.urandom(70_000)
+
+    def pieces():
+        yield v[:30_000]
+        yield v[30_000:]
+
+    with httpx.Client(base_url=daemon.url) as h:
+        r = h.put(f"/v1/chunks/{k}", content=pieces())  # no Content-Length: chunked
+        assert r.status_code == 200, r.text
+        assert h.get(f"/v1/chunks/{k}").content == v
+        big = h.put(f"/v1/chunks/{os.urandom(16).hex()}", content=iter([bytes(MiB), b"x"]))
+        assert big.status_code == 413
+        assert big.json()["code"] == "body_too_large"
