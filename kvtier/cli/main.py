@@ -58,7 +58,7 @@ def info(
 def demo(
     config: ConfigOpt = None,
     set_: SetOpt = None,
-    sequences: Annotated[int, typer.Option(help="Sequences to store and reload.")] = 24,
+    sequences: Annotated[int, typer.Option(help="Requests to replay from the trace.")] = 12,
     trace: Annotated[
         Optional[Path],  # noqa: UP045
         typer.Option(help="Mooncake trace for context lengths (default: ../shared/data/mooncake)."),

@@ -42,8 +42,18 @@ def gpu(tmp: Path, slot: int, cap: int) -> Tier:
     return GPUTier("gpu", cap, slot, MAX_EXTENT, Options())
 
 
+def nvme_posix(tmp: Path, slot: int, cap: int) -> Tier:
+    from kvtier.tiers.nvme import EngineKind, Options
+    from kvtier.tiers.nvme.tier import NVMeTier
+
+    # tmp_path is on the real disk here; O_DIRECT falls back to buffered I/O (logged)
+    # where the filesystem refuses it, and the contract holds either way.
+    return NVMeTier("nvme", cap, slot, MAX_EXTENT, Options(dir=str(tmp), engine=EngineKind.POSIX))
+
+
 TIER_FACTORIES: dict[str, TierFactory] = {
     "host": host,
     "cxl-emulated": cxl_emulated,
     "gpu": gpu,
+    "nvme-posix": nvme_posix,
 }

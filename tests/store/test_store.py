@@ -1,0 +1,154 @@
+"""Behaviour of the tiered store: demotion, promotion, pins, concurrency, failures."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvtier.config import Switch
+from kvtier.errors import ClosedError, InputError, TierIOError
+from kvtier.keys import ChunkKey
+from kvtier.store import EventKind, StoreEvent, TieredStore
+from kvtier.tiers.base import SlotRun
+from kvtier.tiers.host import HostTier, Options
+
+SLOT = 8192
+
+
+def key(i: int) -> ChunkKey:
+    return ChunkKey(i.to_bytes(16, "little"))
+
+
+def host(name: str, slots: int) -> HostTier:
+    return HostTier(name, slots * SLOT, SLOT, 1 << 20, Options(pin=Switch.OFF, prefault=False))
+
+
+def rand(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size=n, dtype=np.uint8)
+
+
+@pytest.fixture
+def two_tier() -> Iterator[TieredStore]:
+    store = TieredStore([host("top", 8), host("low", 32)], io_threads=2, promote_on_hit=True)
+    yield store
+    store.close()
+
+
+def test_demote_then_promote_on_hit(two_tier: TieredStore) -> None:
+    events: list[StoreEvent] = []
+    two_tier.add_listener(events.append)
+    a, b = [key(i) for i in range(8)], [key(100 + i) for i in range(8)]
+    da, db = rand(8 * SLOT, 1), rand(8 * SLOT, 2)
+    two_tier.put(a, da).result()
+    two_tier.put(b, db).result()
+    assert set(two_tier.lookup(a).tiers) == {"low"}
+    out = np.zeros_like(da)
+    r = two_tier.get(a, out).result()
+    assert r.chunks == 8 and set(r.tiers) == {"low"} and np.array_equal(out, da)
+    two_tier.drain()  # promotion runs after the get, in the background
+    # At most half the top tier is promoted at once, head first.
+    assert two_tier.lookup(a).tiers[:4] == ("top",) * 4
+    kinds = {e.kind for e in events}
+    assert {EventKind.STORED, EventKind.DEMOTED, EventKind.PROMOTED} <= kinds
+    out_b = np.zeros_like(db)
+    assert two_tier.get(b, out_b).result().chunks == 8 and np.array_equal(out_b, db)
+
+
+def test_sequence_tail_is_evicted_before_head() -> None:
+    with TieredStore([host("only", 8)], io_threads=1) as store:
+        ks = [key(i) for i in range(8)]
+        store.put(ks, rand(8 * SLOT)).result()
+        store.put([key(50), key(51)], rand(2 * SLOT, 3)).result()
+        # The two newest chunks displaced the sequence's last two, keeping a usable prefix.
+        assert store.lookup(ks).hits == 6
+
+
+def test_pinned_chunks_are_never_evicted() -> None:
+    with TieredStore([host("only", 4)], io_threads=1) as store:
+        ks = [key(i) for i in range(4)]
+        store.put(ks, rand(4 * SLOT)).result()
+        assert store.pin(ks) == 4
+        r = store.put([key(9)], rand(SLOT, 1)).result()
+        assert r.rejected == 1 and r.stored == 0
+        assert store.lookup(ks).hits == 4
+        store.unpin(ks)
+        assert store.put([key(9)], rand(SLOT, 1)).result().stored == 1
+
+
+def test_bad_sizes_are_input_errors() -> None:
+    with TieredStore([host("only", 4)]) as store:
+        with pytest.raises(InputError):
+            store.put([key(1), key(2)], bytes(3))
+        with pytest.raises(InputError):
+            store.put([key(1)], bytes(SLOT + 1))
+        store.put([key(1)], rand(SLOT)).result()
+        with pytest.raises(InputError):
+            store.get([key(1)], bytearray(10))
+        with pytest.raises(InputError):
+            store.get([key(1)], bytes(SLOT))  # read-only destination
+
+
+def test_closed_store_refuses_calls() -> None:
+    store = TieredStore([host("only", 4)])
+    store.close()
+    store.close()
+    with pytest.raises(ClosedError):
+        store.lookup([key(1)])
+
+
+def test_concurrent_puts_and_gets_never_serve_wrong_bytes() -> None:
+    with TieredStore([host("top", 16), host("low", 48)], io_threads=4) as store:
+        errors: list[str] = []
+
+        def worker(w: int) -> None:
+            rng = np.random.default_rng(w)
+            for _ in range(60):
+                first = int(rng.integers(0, 100))
+                n = int(rng.integers(1, 6))
+                ids = list(range(first, first + n))
+                if rng.random() < 0.5:
+                    data = np.concatenate([rand(SLOT, i) for i in ids])
+                    store.put([key(i) for i in ids], data).result()
+                else:
+                    dst = np.zeros(n * SLOT, np.uint8)
+                    r = store.get([key(i) for i in ids], dst).result()
+                    for j in range(r.chunks):
+                        if not np.array_equal(dst[j * SLOT : (j + 1) * SLOT], rand(SLOT, ids[j])):
+                            errors.append(f"wrong bytes for chunk {ids[j]}")
+
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        for ts in store.stats().tiers:
+            assert ts.used_bytes <= ts.capacity_bytes
+
+
+class FlakyTier(HostTier):
+    """A host tier whose reads fail on demand: the fault a dying device produces."""
+
+    fail_reads = False
+
+    def _read(self, run: SlotRun, dst: memoryview) -> None:
+        if self.fail_reads:
+            raise TierIOError("injected EIO")
+        super()._read(run, dst)
+
+
+def test_failing_tier_read_is_a_miss_not_an_exception() -> None:
+    flaky = FlakyTier("flaky", 8 * SLOT, SLOT, 1 << 20, Options(pin=Switch.OFF, prefault=False))
+    with TieredStore([flaky], io_threads=1) as store:
+        ks = [key(i) for i in range(4)]
+        store.put(ks, rand(4 * SLOT)).result()
+        flaky.fail_reads = True
+        r = store.get(ks, np.zeros(4 * SLOT, np.uint8)).result()
+        assert r.chunks == 0
+        st = store.stats()
+        assert st.tier_errors == 1
+        # Chunks that failed to read are never served again.
+        assert store.lookup(ks).hits == 0
