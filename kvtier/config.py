@@ -115,6 +115,13 @@ class ServiceConfig:
     max_batch_keys: int = 1024
     # Seconds uvicorn waits for in-flight requests on shutdown before closing the store.
     shutdown_timeout_s: float = 10.0
+    # A directory for what must outlive the process: when set and no [[tiers]] entry is
+    # an nvme tier, the daemon adds one of data_capacity_bytes under <data_dir>/nvme, and
+    # keeps a generated key_salt in <data_dir>/key_salt (mode 0600) so the chunks it
+    # recovers after a restart stay reachable. Empty: memory tiers only.
+    data_dir: str = ""
+    # Capacity of the nvme tier that data_dir adds.
+    data_capacity_bytes: int = 8 * GiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,6 +324,8 @@ def _validate_service(s: ServiceConfig) -> None:
         raise ConfigError("service.max_body_bytes", s.max_body_bytes, "at least 4KiB")
     if not 1 <= s.max_batch_keys <= 1 << 20:
         raise ConfigError("service.max_batch_keys", s.max_batch_keys, "an integer in [1, 1048576]")
+    if s.data_capacity_bytes < 1:
+        raise ConfigError("service.data_capacity_bytes", s.data_capacity_bytes, "a positive size")
     if s.shutdown_timeout_s < 0:
         raise ConfigError("service.shutdown_timeout_s", s.shutdown_timeout_s, "a number >= 0")
 

@@ -18,6 +18,7 @@ import re
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path as FsPath
 from typing import Annotated, Any
 
 import numpy as np
@@ -58,7 +59,7 @@ from .schemas import (
     TenantStatsModel,
     TierStatsModel,
 )
-from .tenants import Authenticator, KeyMapper, Tenant
+from .tenants import Authenticator, KeyMapper, Tenant, load_or_create_salt
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,10 @@ class Daemon:
             )
         self.limits = Limits(max_value, s.max_body_bytes, s.max_batch_keys)
         self.auth = Authenticator(s.tokens)
-        self.mapper = KeyMapper(s.key_salt)
+        salt = s.key_salt
+        if not salt and s.data_dir:
+            salt = load_or_create_salt(FsPath(s.data_dir) / "key_salt")
+        self.mapper = KeyMapper(salt)
         self.metrics = RequestMetrics()
         self.tenants = TenantCounters()
         self.ready = False

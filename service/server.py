@@ -7,9 +7,11 @@ shutdown, which flushes and closes the store (and so every tier).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from pathlib import Path
 
-from kvtier.config import KVTierConfig
+from kvtier.config import KVTierConfig, TierSection
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +27,7 @@ def serve(cfg: KVTierConfig) -> None:
     import uvicorn
     from kvtier.service.app import create_app
 
+    cfg = with_data_dir(cfg)
     app = create_app(cfg)
     s = cfg.service
     config = uvicorn.Config(
@@ -40,3 +43,15 @@ def serve(cfg: KVTierConfig) -> None:
     server = uvicorn.Server(config)
     log.info("kvtier daemon listening on http://%s:%d", s.host, s.port)
     server.run()
+
+
+def with_data_dir(cfg: KVTierConfig) -> KVTierConfig:
+    """``cfg`` plus an nvme tier under ``service.data_dir``, unless it has one already."""
+    s = cfg.service
+    if not s.data_dir or any(t.kind == "nvme" for t in cfg.tiers):
+        return cfg
+    from kvtier.tiers.registry import tier_options_class
+
+    options = tier_options_class("nvme")(dir=str(Path(s.data_dir) / "nvme"), create_dirs=True)
+    section = TierSection("nvme", "nvme", s.data_capacity_bytes, options)
+    return dataclasses.replace(cfg, tiers=(*cfg.tiers, section))

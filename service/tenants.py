@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvtier.keys import ChunkKey
 
@@ -40,6 +42,21 @@ class Tenant:
     def label(self) -> str:
         """The tenant's name in metrics and stats."""
         return self.name or "anonymous"
+
+
+def load_or_create_salt(path: Path) -> str:
+    """The key salt kept in ``path``; a new random one (file mode 0600) if absent."""
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    salt = secrets.token_hex(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(salt + "\n")
+    log.info("generated a new key salt in %s", path)
+    return salt
 
 
 class KeyMapper:

@@ -87,6 +87,10 @@ def serve(
         Optional[int],  # noqa: UP045
         typer.Option(help="TCP port (default 8470)."),
     ] = None,
+    data_dir: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option(help="Keep an nvme tier and the key salt here: the cache outlives restarts."),
+    ] = None,
 ) -> None:
     """Run the cache daemon: the tiered store over REST (see docs/operations.md)."""
     from kvtier.config import load_config
@@ -96,6 +100,8 @@ def serve(
         overrides.append(f"service.host={host}")
     if port is not None:
         overrides.append(f"service.port={port}")
+    if data_dir is not None:
+        overrides.append(f"service.data_dir={data_dir}")
     cfg = load_config(config, overrides=tuple(overrides))
     _setup_logging(cfg.log_level)
     try:

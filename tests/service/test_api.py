@@ -158,3 +158,32 @@ def test_openapi_documents_the_binary_formats(http: httpx.Client) -> None:
     assert "application/octet-stream" in put["requestBody"]["content"]
     assert "KVTB" in doc["info"]["description"]
     assert doc["components"]["x-kvtier-batch-format"]["entry_bytes"] == 32
+
+
+def test_data_dir_keeps_the_cache_across_a_restart(daemon_factory, tmp_path) -> None:
+    # A host tier of 8 slots: most of the 20 values are demoted to the nvme tier that
+    # --data-dir adds, and only those survive the restart (the key salt does too).
+    args = (
+        "--data-dir",
+        str(tmp_path),
+        "--set",
+        "tiers.0.capacity_bytes=8MiB",
+        "--set",
+        "service.data_capacity_bytes=64MiB",
+    )
+    first = daemon_factory(*args)
+    keys = [key() for _ in range(20)]
+    vals = {k: os.urandom(65536) for k in keys}
+    with httpx.Client(base_url=first.url) as h:
+        for k in keys:
+            assert h.put(f"/v1/chunks/{k}", content=vals[k]).json()["stored"] == 1
+        tiers = h.get("/v1/stats").json()["store"]["tiers"]
+        assert [t["kind"] for t in tiers] == ["host", "nvme"]
+    first.stop()
+    assert (tmp_path / "key_salt").stat().st_mode & 0o777 == 0o600
+    second = daemon_factory(*args)
+    with httpx.Client(base_url=second.url) as h:
+        survived = [k for k in keys if h.head(f"/v1/chunks/{k}").status_code == 200]
+        assert len(survived) >= 12
+        for k in survived:
+            assert h.get(f"/v1/chunks/{k}").content == vals[k]
