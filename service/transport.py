@@ -137,11 +137,12 @@ class HTTP11Transport(httpx.BaseTransport):
         conn.putrequest(request.method, target, skip_host=True, skip_accept_encoding=True)
         for name, value in request.headers.raw:
             conn.putheader(name.decode("latin-1"), value.decode("latin-1"))
-        conn.endheaders()
         stream = request.stream
         assert isinstance(stream, httpx.SyncByteStream)
+        conn.endheaders()
         for piece in stream:
-            conn.send(piece)
+            if len(piece):  # an empty write would still cost a system call
+                conn.send(piece)
         return conn.getresponse()
 
     def close(self) -> None:
