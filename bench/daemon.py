@@ -1,6 +1,6 @@
 """The REST daemon against redis-server, moving the same values at the same concurrency.
 
-    kvtier bench daemon --json out.json           # short: ~1-2 minutes on 2 cores
+    kvtier bench daemon --json out.json           # short: ~4 minutes on 2 shared cores
     kvtier bench daemon --full --json out.json    # more repeats, more bytes, 60 s soak
 
 Both servers run on this machine in the same invocation: ``kvtier serve`` (uvicorn,
@@ -457,15 +457,15 @@ def _line(r: dict[str, Any]) -> str:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="kvtier bench daemon", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--full", action="store_true", help="7 repeats, 256 MiB per run, 60 s soak")
+    ap.add_argument("--full", action="store_true", help="5 repeats, 64 MiB per run, 60 s soak")
     ap.add_argument("--sizes", default=",".join(str(s) for s in SIZES))
     ap.add_argument("--concurrency", default=",".join(str(c) for c in CONCURRENCY))
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--target-mib", type=int, default=None, help="bytes per timed run, in MiB")
     ap.add_argument("--soak-s", type=float, default=None, help="soak length (0: skip)")
     args = ap.parse_args(argv)
-    repeats = args.repeats or (7 if args.full else 3)
-    target = (args.target_mib or (256 if args.full else 32)) * MiB
+    repeats = args.repeats or (5 if args.full else 3)
+    target = (args.target_mib or (64 if args.full else 32)) * MiB
     soak_s = args.soak_s if args.soak_s is not None else (60.0 if args.full else 10.0)
     sizes = [int(s) for s in args.sizes.split(",")]
     concs = [int(c) for c in args.concurrency.split(",")]
