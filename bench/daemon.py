@@ -364,7 +364,7 @@ def soak(seconds: float, clients: int, value_bytes: int) -> dict[str, Any]:
 
     capacity = 256 * MiB
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-soak-"))
-    url, proc = start_kvtier(tmp, "256MiB")
+    url, proc = start_kvtier(tmp, "256MiB", max_value_bytes=value_bytes)
     ps = psutil.Process(proc.pid)
     n_keys = 2 * capacity // value_bytes
     seeds = [os.urandom(value_bytes) for _ in range(POOL_VALUES)]
@@ -462,11 +462,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--target-mib", type=int, default=None, help="bytes per timed run, in MiB")
     ap.add_argument("--soak-s", type=float, default=None, help="soak length (0: skip)")
+    ap.add_argument("--soak-only", action="store_true", help="skip the Redis comparison")
     args = ap.parse_args(argv)
     repeats = args.repeats or (5 if args.full else 3)
     target = (args.target_mib or (64 if args.full else 32)) * MiB
     soak_s = args.soak_s if args.soak_s is not None else (60.0 if args.full else 10.0)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = [] if args.soak_only else [int(s) for s in args.sizes.split(",")]
     concs = [int(c) for c in args.concurrency.split(",")]
 
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-daemon-"))

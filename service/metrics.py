@@ -195,7 +195,8 @@ class MetricsMiddleware:
             await self.app(scope, receive, send)
             return
         t0 = time.perf_counter()
-        status = 500
+        # 499 (as nginx logs it): the client went away before any response started.
+        status = 499
         nin = 0
         nout = 0
 
@@ -217,6 +218,10 @@ class MetricsMiddleware:
         self.metrics.in_flight += 1
         try:
             await self.app(scope, counting_receive, counting_send)
+        except BaseException:
+            if status == 499:
+                status = 500  # Starlette's error middleware answers 500 outside us
+            raise
         finally:
             self.metrics.in_flight -= 1
             route = scope.get("route")
