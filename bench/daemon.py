@@ -215,8 +215,11 @@ class Contender:
         put: Callable[[bytes, bytes], None],
         get: Callable[[bytes], bytes | None],
         delete: Callable[[list[bytes]], None],
+        get_batch: Callable[[list[bytes]], list[bytes]],
+        put_batch: Callable[[list[bytes], list[bytes]], None],
     ) -> None:
         self.name, self.put, self.get, self.delete = name, put, get, delete
+        self.get_batch, self.put_batch = get_batch, put_batch
 
 
 def make_contenders(
@@ -255,11 +258,41 @@ def make_contenders(
         for lo in range(0, len(keys), 512):
             rc.delete(*keys[lo : lo + 512])
 
+    local = threading.local()
+
+    def k_get_batch(keys: list[bytes]) -> list[bytes]:
+        # get_into a buffer each thread reuses: the connector's path.
+        buf = getattr(local, "buf", None)
+        if buf is None or len(buf) < len(keys) * 4 * MiB:
+            buf = local.buf = bytearray(len(keys) * 4 * MiB)
+        got = kc.get_into(keys, buf)
+        view = memoryview(buf)
+        out, pos = [], 0
+        for n in got.value_bytes:
+            out.append(view[pos : pos + n])
+            pos += n
+        return out  # type: ignore[return-value]  # views; compared as bytes below
+
+    def k_put_batch(keys: list[bytes], values: list[bytes]) -> None:
+        res = kc.put_many(keys, values)
+        if res.stored + res.present != len(keys):
+            raise RuntimeError(f"kvtier batch put not stored: {res}")
+
+    def r_get_batch(keys: list[bytes]) -> list[bytes]:
+        return list(rc.mget(keys))  # type: ignore[arg-type]
+
+    def r_put_batch(keys: list[bytes], values: list[bytes]) -> None:
+        rc.mset(dict(zip(keys, values, strict=True)))
+
     def close() -> None:
         kc.close()
         rc.close()
 
-    return Contender("kvtier", k_put, kc.get, k_del), Contender("redis", r_put, r_get, r_del), close
+    return (
+        Contender("kvtier", k_put, kc.get, k_del, k_get_batch, k_put_batch),
+        Contender("redis", r_put, r_get, r_del, r_get_batch, r_put_batch),
+        close,
+    )
 
 
 def bench_point(
@@ -270,14 +303,17 @@ def bench_point(
     target_bytes: int,
     repeats: int,
     pool: ThreadPoolExecutor,
+    batch: int = 1,
 ) -> list[dict[str, Any]]:
+    """Rows for get and put of single values (``batch`` 1), or of ``batch`` values per
+    request (ops ``batch_get``/``batch_put``: kvtier get_into/put_many, Redis MGET/MSET)."""
     values = [os.urandom(size) for _ in range(POOL_VALUES)]
-    n_ops = max(2 * concurrency, target_bytes // size)
+    n_ops = max(2 * concurrency, target_bytes // (size * batch))
     kv, rd, close = make_contenders(servers, concurrency)
     rows: list[dict[str, Any]] = []
     try:
         # Get: a working set written once (untimed), read by every repeat.
-        n_keys = min(n_ops, 64)
+        n_keys = max(min(n_ops, 64), batch)
         get_keys = [os.urandom(16) for _ in range(n_keys)]
         for c in (kv, rd):
             for i, k in enumerate(get_keys):
@@ -285,9 +321,19 @@ def bench_point(
             for i, k in enumerate(get_keys):  # verify every byte once
                 if c.get(k) != values[i % POOL_VALUES]:
                     raise RuntimeError(f"{c.name} returned wrong bytes")
+            if batch > 1:
+                got = c.get_batch(get_keys[:batch])
+                if [bytes(v) for v in got] != [values[i % POOL_VALUES] for i in range(batch)]:
+                    raise RuntimeError(f"{c.name} batch get returned wrong bytes")
 
         def getter(c: Contender) -> Callable[[int], int]:
             def op(i: int) -> int:
+                if batch > 1:
+                    lo = (i * batch) % (n_keys - batch + 1)
+                    got = c.get_batch(get_keys[lo : lo + batch])
+                    if len(got) != batch or any(v is None or len(v) != size for v in got):
+                        raise RuntimeError(f"{c.name} batch get missed or short")
+                    return size * batch
                 v = c.get(get_keys[i % n_keys])
                 if v is None or len(v) != size:
                     raise RuntimeError(f"{c.name} get missed or short")
@@ -297,6 +343,10 @@ def bench_point(
 
         def putter(c: Contender, keys: list[bytes]) -> Callable[[int], int]:
             def op(i: int) -> int:
+                if batch > 1:
+                    ks = keys[i * batch : (i + 1) * batch]
+                    c.put_batch(ks, [values[j % POOL_VALUES] for j in range(batch)])
+                    return size * batch
                 c.put(keys[i], values[i % POOL_VALUES])
                 return size
 
@@ -310,7 +360,7 @@ def bench_point(
                     results.setdefault(("get", c.name), []).append(run)
                 # Fresh keys for every put round (a present key would be a no-op),
                 # removed afterwards, untimed, so the store never fills up.
-                keys = [os.urandom(16) for _ in range(n_ops)]
+                keys = [os.urandom(16) for _ in range(n_ops * batch)]
                 run = drive(putter(c, keys), n_ops, concurrency, pool)
                 c.delete(keys)
                 if rep:
@@ -319,14 +369,16 @@ def bench_point(
             c.delete(get_keys)
         for op in ("get", "put"):
             k_runs, r_runs = results[(op, "kvtier")], results[(op, "redis")]
+            name = f"batch_{op}" if batch > 1 else op
             k_gbps = statistics.median(r.GBps for r in k_runs)
             r_gbps = statistics.median(r.GBps for r in r_runs)
             k_lat = [x for r in k_runs for x in r.latencies_s]
             r_lat = [x for r in r_runs for x in r.latencies_s]
             rows.append(
                 {
-                    "op": op,
+                    "op": name,
                     "value_bytes": size,
+                    "batch": batch,
                     "concurrency": concurrency,
                     "kvtier_GBps": round(k_gbps, 4),
                     "redis_GBps": round(r_gbps, 4),
@@ -446,7 +498,7 @@ def soak(seconds: float, clients: int, value_bytes: int) -> dict[str, Any]:
 
 def _line(r: dict[str, Any]) -> str:
     return (
-        f"{r['op']:4} {r['value_bytes'] // KiB:>6}Ki {r['concurrency']:>4} "
+        f"{r['op']:9} {r['value_bytes'] // KiB:>6}Ki {r['concurrency']:>4} "
         f"{r['kvtier_GBps']:>11.3f} {r['redis_GBps']:>10.3f} {r['ratio']:>6.2f} "
         f"{r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
         f"{r['redis_p50_ms']:>9.2f} {r['redis_p99_ms']:>9.2f}"
@@ -463,6 +515,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--target-mib", type=int, default=None, help="bytes per timed run, in MiB")
     ap.add_argument("--soak-s", type=float, default=None, help="soak length (0: skip)")
     ap.add_argument("--soak-only", action="store_true", help="skip the Redis comparison")
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="values per request: >1 compares get_into/put_many with MGET/MSET",
+    )
     args = ap.parse_args(argv)
     repeats = args.repeats or (5 if args.full else 3)
     target = (args.target_mib or (64 if args.full else 32)) * MiB
@@ -474,7 +532,7 @@ def main(argv: list[str]) -> int:
     rport, rproc = start_redis(tmp)
     rows: list[dict[str, Any]] = []
     print(
-        f"{'op':4} {'value':>8} {'conc':>4} {'kvtier GB/s':>11} {'redis GB/s':>10} {'ratio':>6} "
+        f"{'op':9} {'value':>8} {'conc':>4} {'kvtier GB/s':>11} {'redis GB/s':>10} {'ratio':>6} "
         f"{'p50 ms':>8} {'p99 ms':>8} {'redis p50':>9} {'redis p99':>9}"
     )
     try:
@@ -488,7 +546,13 @@ def main(argv: list[str]) -> int:
                 try:
                     for conc in concs:
                         for row in bench_point(
-                            servers, size, conc, target_bytes=target, repeats=repeats, pool=pool
+                            servers,
+                            size,
+                            conc,
+                            target_bytes=target,
+                            repeats=repeats,
+                            pool=pool,
+                            batch=args.batch,
                         ):
                             rows.append(row)
                             print(_line(row), flush=True)
