@@ -214,3 +214,29 @@ def test_chunked_upload_takes_the_documented_route(daemon: Daemon) -> None:
         big = h.put(f"/v1/chunks/{os.urandom(16).hex()}", content=iter([bytes(MiB), b"x"]))
         assert big.status_code == 413
         assert big.json()["code"] == "body_too_large"
+
+
+def test_threads_sharing_one_client_never_see_each_others_bytes(daemon: Daemon) -> None:
+    # The pooled transport hands connections between threads: a mix-up would show as
+    # one thread reading another's value.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with Client(daemon.url, pool=4) as c:
+
+        def work(t: int) -> int:
+            checked = 0
+            for _ in range(15):
+                ks = [os.urandom(16) for _ in range(3)]
+                vals = [os.urandom(1000 + 37 * t) for _ in ks]
+                c.put(ks[0], vals[0])
+                c.put_many(ks[1:], vals[1:])
+                assert c.get(ks[0]) == vals[0]
+                buf = bytearray(3 * len(vals[0]))
+                got = c.get_into(ks, buf)
+                assert got.chunks == 3
+                assert bytes(buf) == b"".join(vals)
+                checked += 1
+            return checked
+
+        with ThreadPoolExecutor(8) as pool:
+            assert sum(pool.map(work, range(8))) == 8 * 15
