@@ -1,6 +1,6 @@
 """The REST daemon against redis-server, moving the same values at the same concurrency.
 
-    kvtier bench daemon --json out.json           # short: ~4 minutes on 2 shared cores
+    kvtier bench daemon --json out.json           # short: ~2 minutes on 2 shared cores
     kvtier bench daemon --full --json out.json    # more repeats, more bytes, 60 s soak
 
 Both servers run on this machine in the same invocation: ``kvtier serve`` (uvicorn,
@@ -522,9 +522,9 @@ def main(argv: list[str]) -> int:
         help="values per request: >1 compares get_into/put_many with MGET/MSET",
     )
     args = ap.parse_args(argv)
-    repeats = args.repeats or (5 if args.full else 3)
-    target = (args.target_mib or (64 if args.full else 32)) * MiB
-    soak_s = args.soak_s if args.soak_s is not None else (60.0 if args.full else 10.0)
+    repeats = args.repeats or (5 if args.full else 2)
+    target = (args.target_mib or (64 if args.full else 16)) * MiB
+    soak_s = args.soak_s if args.soak_s is not None else (60.0 if args.full else 5.0)
     sizes = [] if args.soak_only else [int(s) for s in args.sizes.split(",")]
     concs = [int(c) for c in args.concurrency.split(",")]
 
