@@ -206,18 +206,20 @@ class TieredStore:
         """How many leading ``keys`` are present, and in which tiers. No I/O; thread-safe."""
         self._check_open()
         tiers: list[str] = []
+        lengths: list[int] = []
         with self._lock:
             for key in keys:
                 e = self._index.get(key)
                 if e is None:
                     break
                 tiers.append(self.tiers[e.slot.tier].name)
+                lengths.append(e.slot.value_bytes)
             self._c["lookups"] += 1
             self._c["lookup_hit_chunks"] += len(tiers)
             self._c["lookup_miss_chunks"] += len(keys) - len(tiers)
             if len(tiers) < len(keys):
                 self.placement.on_miss(keys[len(tiers) :])
-        return LookupResult(len(tiers), tuple(tiers))
+        return LookupResult(len(tiers), tuple(tiers), tuple(lengths))
 
     def get(self, keys: Sequence[ChunkKey], dst: Buffer) -> Future[GetResult]:
         """Copy the leading present chunks of ``keys`` into ``dst``, packed.
@@ -376,9 +378,13 @@ class TieredStore:
 
     def _put_pinned(self, keys: list[ChunkKey], view: memoryview, value_bytes: int) -> PutResult:
         with self._lock:
-            fresh = [
-                (i, k) for i, k in enumerate(keys) if k not in self._index and k not in self._pending
-            ]
+            fresh = []
+            seen: set[ChunkKey] = set()
+            for i, k in enumerate(keys):
+                # A key twice in one call is stored once (the second would leak a slot).
+                if k not in self._index and k not in self._pending and k not in seen:
+                    fresh.append((i, k))
+                    seen.add(k)
             self._pending.update(k for _, k in fresh)
             self._c["puts"] += 1
             self._c["put_present"] += len(keys) - len(fresh)

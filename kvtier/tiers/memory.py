@@ -28,6 +28,17 @@ _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _counter = itertools.count()
 
 
+def _cuda_driver_present() -> bool:
+    """Whether the NVIDIA driver library loads: a cheap test before importing torch."""
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
 class SharedArena:
     """``size_bytes`` of shared memory as a flat ``uint8`` numpy array.
 
@@ -79,6 +90,8 @@ class SharedArena:
             self.array[::4096] = 0  # one write per page faults it in
 
     def _pin(self, *, required: bool) -> None:
+        if not required and not _cuda_driver_present():
+            return  # importing torch (seconds) only to find no GPU is not worth it
         try:
             import torch
 
