@@ -30,7 +30,9 @@ import argparse
 import functools
 import gc
 import json
+import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -49,6 +51,9 @@ from kvtier.tiers.memory import SharedArena
 from kvtier.transfer import Layout, PagedKV, TransferEngine, TransferOptions, make_paged_cache
 
 BLOCK_SIZE = 16
+# Where host bytes live: the host tier's shm arena, torch pinned memory, or auto (the
+# arena when /dev/shm has room, else pinned memory).
+HOST_MODE = "auto"
 POISON = -0x5A5A5A5A5A5A5A5B  # 0xA5A5... as int64
 
 
@@ -151,8 +156,16 @@ class Case:
         self.ids_list = self.ids.tolist()
         self.ids_dev = self.ids.to(dev)
         self.nbytes = self.kv.nbytes(self.n)
-        self.arena = SharedArena(self.nbytes, "gpu-bench", pin=Switch.AUTO)
-        self.host = torch.from_numpy(self.arena.array)
+        self.arena: SharedArena | None = None
+        shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else 0
+        if HOST_MODE == "arena" or (HOST_MODE == "auto" and shm_free > self.nbytes * 1.2):
+            self.arena = SharedArena(self.nbytes, "gpu-bench", pin=Switch.AUTO)
+            self.host = torch.from_numpy(self.arena.array)
+            self.host_kind = "shm-arena-registered" if self.arena.pinned else "shm-arena-pageable"
+        else:
+            # /dev/shm too small for this size: page-locked memory from torch instead.
+            self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+            self.host_kind = "torch-pinned" if dev.type == "cuda" else "torch-pageable"
         g2 = self.kv.geometry
         self.host_w = self.host.view(torch.int64).view(geo.layers, g2.runs, self.n, -1)
 
@@ -184,7 +197,8 @@ class Case:
 
     def close(self) -> None:
         del self.host, self.host_w
-        self.arena.close()
+        if self.arena is not None:
+            self.arena.close()
 
 
 def run_case(
@@ -204,7 +218,7 @@ def run_case(
             "bytes": c.nbytes,
             "page_bytes": c.kv.geometry.page_bytes,
             "layout": c.layout.value,
-            "host_pinned": c.arena.pinned,
+            "host": c.host_kind,
             "staging_bytes_per_direction": opts.staging_bytes,
             "slots": opts.slots,
         }
@@ -586,7 +600,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--sections", default="cases,layouts,staging,layerwise,interference")
     p.add_argument("--max-tokens", type=int, default=131072)
+    p.add_argument("--host", choices=("auto", "arena", "pinned"), default="auto")
     a = p.parse_args(argv)
+    global HOST_MODE
+    HOST_MODE = a.host
     dev = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     )
