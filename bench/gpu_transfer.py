@@ -221,6 +221,7 @@ def run_case(
             "host": c.host_kind,
             "staging_bytes_per_direction": opts.staging_bytes,
             "slots": opts.slots,
+            "ramp_bytes": opts.ramp_bytes,
         }
         # Store (GPU -> host).
         fns: dict[str, Callable[[], object]] = {
@@ -349,7 +350,7 @@ def _load_wait(e: TransferEngine, c: Case) -> None:
 
 
 def run_staging_sweep(
-    dev: torch.device, geo: Geometry, tokens: int, reps: int, configs: list[tuple[int, int]]
+    dev: torch.device, geo: Geometry, tokens: int, reps: int, configs: list[tuple[int, int, int]]
 ) -> list[dict[str, Any]]:
     """Engine rate against the ceiling for several staging sizes, each verified."""
     c = Case(dev, geo, tokens, Layout.LBNHC, seed=13)
@@ -358,8 +359,10 @@ def run_staging_sweep(
     hf = c.host.view(torch.int64)
     rows = []
     engines = {
-        f"{sb >> 20}MiBx{sl}": TransferEngine(dev, TransferOptions(staging_bytes=sb, slots=sl))
-        for sb, sl in configs
+        f"{sb >> 20}MiBx{sl}-ramp{rb >> 20}M": TransferEngine(
+            dev, TransferOptions(staging_bytes=sb, slots=sl, ramp_bytes=rb)
+        )
+        for sb, sl, rb in configs
     }
     try:
         ok: dict[str, bool] = {}
@@ -389,6 +392,7 @@ def run_staging_sweep(
                 s = summary(t[k], c.nbytes)
                 rows.append(
                     {
+                        "tokens": tokens,
                         "direction": direction,
                         "staging": k,
                         "engine": s,
@@ -403,6 +407,38 @@ def run_staging_sweep(
         c.close()
         gc.collect()
     return rows
+
+
+def run_gather(dev: torch.device, geo: Geometry, tokens: int, reps: int) -> dict[str, Any]:
+    """Device-only rate of the gather and scatter kernels (no PCIe): HBM bytes read+written."""
+    c = Case(dev, geo, tokens, Layout.LBNHC, seed=23)
+    try:
+        g = c.kv.geometry
+        buf = torch.empty(
+            (geo.layers, g.runs, c.n, g.run_bytes // 8), dtype=torch.int64, device=dev
+        )
+
+        def gather() -> None:
+            for layer, w in enumerate(c.kv.layers):
+                torch.index_select(w, 1, c.ids_dev, out=buf[layer])
+
+        def scatter() -> None:
+            for layer, w in enumerate(c.kv.layers):
+                w.index_copy_(1, c.ids_dev, buf[layer])
+
+        flat = torch.empty(c.nbytes // 8, dtype=torch.int64, device=dev)
+
+        def d2d() -> None:
+            flat.copy_(buf.view(-1))
+
+        t = interleave(dev, {"gather": gather, "scatter": scatter, "d2d_copy": d2d}, reps)
+        out: dict[str, Any] = {"geometry": geo.name, "tokens": tokens, "bytes": c.nbytes}
+        for k, v in t.items():
+            out[k] = summary(v, 2 * c.nbytes)  # read + write
+        return out
+    finally:
+        c.close()
+        gc.collect()
 
 
 def run_layerwise(
@@ -494,10 +530,24 @@ def run_interference(
         )
         mm_s = statistics.median([timed(dev, lambda: torch.matmul(a, b)) for _ in range(5)])
         n_stores = 3
+
+        def matmul_time() -> float:
+            """Seconds for n_mm matmuls on the compute stream (CUDA events where there)."""
+            if dev.type != "cuda":
+                return timed(dev, lambda: [torch.matmul(a, b) for _ in range(n_mm)])
+            e0 = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            e1 = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            e0.record()
+            for _ in range(n_mm):
+                torch.matmul(a, b)
+            e1.record()
+            e1.synchronize()
+            return float(e0.elapsed_time(e1)) / 1e3
+
         n_mm = max(4, int(n_stores * store_s / mm_s))
         idle, busy, store_alone, store_busy = [], [], [], []
         for _ in range(reps + 1):
-            idle.append(timed(dev, lambda: [torch.matmul(a, b) for _ in range(n_mm)]))
+            idle.append(matmul_time())
             store_alone.append(
                 timed(dev, lambda: [eng.store(c.kv, c.ids_list, c.host) for _ in range(n_stores)])
             )
@@ -598,7 +648,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device", default="auto", help="cuda, cpu or auto")
     p.add_argument("--quick", action="store_true", help="tiny sizes (CPU / smoke test)")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--sections", default="cases,layouts,staging,layerwise,interference")
+    p.add_argument("--sections", default="cases,layouts,staging,gather,layerwise,interference")
     p.add_argument("--max-tokens", type=int, default=131072)
     p.add_argument("--host", choices=("auto", "arena", "pinned"), default="auto")
     a = p.parse_args(argv)
@@ -614,7 +664,7 @@ def main(argv: list[str]) -> int:
     if a.quick:
         cases = [(LLAMA8B, 256, True), (LLAMA70B_TP8, 512, True)]
         main_geo, main_tokens, mm, mm_layer = LLAMA8B, 512, 256, 128
-        sweep = [(1 << 20, 2), (4 << 20, 4)]
+        sweep = [(1 << 20, 2, 0), (4 << 20, 4, 1 << 20)]
     else:
         cases = [
             (LLAMA8B, 2048, True),
@@ -625,9 +675,19 @@ def main(argv: list[str]) -> int:
         ]
         cases = [c for c in cases if c[1] <= a.max_tokens]
         main_geo, main_tokens, mm, mm_layer = LLAMA8B, 32768, 8192, 4096
-        sweep = [(32 << 20, 2), (64 << 20, 2), (256 << 20, 4), (1024 << 20, 4)]
+        sweep = [
+            (32 << 20, 2, 0),
+            (64 << 20, 2, 0),
+            (256 << 20, 4, 0),
+            (256 << 20, 4, 4 << 20),
+            (1024 << 20, 4, 4 << 20),
+        ]
     payload = envelope("gpu_transfer", [], device=device_info(dev), options=vars(a))
-    payload["engine_options"] = {"staging_bytes": opts.staging_bytes, "slots": opts.slots}
+    payload["engine_options"] = {
+        "staging_bytes": opts.staging_bytes,
+        "slots": opts.slots,
+        "ramp_bytes": opts.ramp_bytes,
+    }
     out_path = a.json
 
     def save() -> None:
@@ -665,8 +725,14 @@ def main(argv: list[str]) -> int:
         "layouts", lambda: run_layouts(dev, main_geo, main_tokens, max(3, a.reps - 2), opts)
     )
     payload["staging_sweep"] = section(
-        "staging", lambda: run_staging_sweep(dev, main_geo, main_tokens, max(3, a.reps - 2), sweep)
+        "staging",
+        lambda: [
+            row
+            for tok in (main_tokens // 16, main_tokens)
+            for row in run_staging_sweep(dev, main_geo, tok, max(3, a.reps - 2), sweep)
+        ],
     )
+    payload["gather"] = section("gather", lambda: run_gather(dev, main_geo, main_tokens, a.reps))
     payload["layerwise"] = section(
         "layerwise", lambda: run_layerwise(dev, main_geo, main_tokens, a.reps, opts, mm_layer)
     )
@@ -680,7 +746,8 @@ def main(argv: list[str]) -> int:
         print(_table(payload["layouts"]))
     for r in payload.get("staging_sweep") or []:
         print(
-            f"staging {r['staging']:>10} {r['direction']:5} {r['engine']['GBps']:6.1f} GB/s "
+            f"staging {r['tokens']:>6} {r['staging']:>22} {r['direction']:5} "
+            f"{r['engine']['GBps']:6.1f} GB/s "
             f"x ceil {r['x_ceiling']:.3f} ok={r['verified']}"
         )
     for r in payload.get("layerwise") or []:
@@ -689,6 +756,12 @@ def main(argv: list[str]) -> int:
             f"layerwise {r['layerwise']['median_s'] * 1e3:.1f} ms, compute only "
             f"{r['compute_only']['median_s'] * 1e3:.1f} ms -> x{r['layerwise_over_bulk']:.3f} "
             f"ok={r['verified']}"
+        )
+    gt = payload.get("gather")
+    if gt:
+        print(
+            "device-only, GB/s read+write: "
+            + ", ".join(f"{k} {gt[k]['GBps']:.0f}" for k in ("gather", "scatter", "d2d_copy"))
         )
     itf = payload.get("interference")
     if itf:

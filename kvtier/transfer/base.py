@@ -33,6 +33,9 @@ class TransferOptions:
     # On CPU, gather straight into (and scatter straight out of) the host buffer; off
     # runs the staged pipeline on CPU too (CI uses that to test it without a GPU).
     cpu_direct: bool = True
+    # Budget of the first store unit and the last load unit, doubling up to a slot: the
+    # steps nothing overlaps stay short (0: every unit is a full slot), bytes.
+    ramp_bytes: int = 4 * _MiB
 
     def __post_init__(self) -> None:
         if self.slots < 1 or self.slots > 16:

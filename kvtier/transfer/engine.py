@@ -54,11 +54,24 @@ class Unit:
     j1: int
 
 
-def plan(num_layers: int, n_blocks: int, page_bytes: int, slot_bytes: int) -> list[Unit]:
+def plan(
+    num_layers: int,
+    n_blocks: int,
+    page_bytes: int,
+    slot_bytes: int,
+    *,
+    ramp_bytes: int = 0,
+    ramp_at_end: bool = False,
+) -> list[Unit]:
     """Split a transfer into units that each fit one staging slot.
 
-    Whole layers are grouped while they fit; a layer larger than a slot is cut into
-    block ranges. Each unit's host bytes are one contiguous range per run.
+    Whole layers are grouped while they fit; a layer larger than a unit's budget is
+    cut into block ranges. Each unit's host bytes are one contiguous range per run.
+
+    The first unit of a store (a gather nothing overlaps) and the last unit of a load
+    (a scatter nothing overlaps) are pure latency, so with ``ramp_bytes`` the budget
+    starts there and doubles per unit up to ``slot_bytes``: at the start, or, with
+    ``ramp_at_end``, at the end (units still run in layer order).
 
     Raises:
         InputError: a single page is larger than a slot.
@@ -68,15 +81,27 @@ def plan(num_layers: int, n_blocks: int, page_bytes: int, slot_bytes: int) -> li
             f"one page ({page_bytes} bytes) does not fit a staging slot ({slot_bytes} bytes)"
         )
     layer_bytes = page_bytes * n_blocks
-    if layer_bytes <= slot_bytes:
-        g = slot_bytes // layer_bytes
-        return [Unit(lo, min(lo + g, num_layers), 0, n_blocks) for lo in range(0, num_layers, g)]
-    nb = slot_bytes // page_bytes
-    return [
-        Unit(layer, layer + 1, j, min(j + nb, n_blocks))
-        for layer in range(num_layers)
-        for j in range(0, n_blocks, nb)
-    ]
+    units: list[Unit] = []
+    layer, j, k = 0, 0, 0
+    while layer < num_layers:
+        budget = slot_bytes if ramp_bytes <= 0 else min(slot_bytes, ramp_bytes << min(k, 40))
+        k += 1
+        if j == 0 and layer_bytes <= budget:
+            g = min(budget // layer_bytes, num_layers - layer)
+            units.append(Unit(layer, layer + g, 0, n_blocks))
+            layer += g
+            continue
+        j1 = min(n_blocks, j + max(1, budget // page_bytes))
+        units.append(Unit(layer, layer + 1, j, j1))
+        layer, j = (layer + 1, 0) if j1 == n_blocks else (layer, j1)
+    if ramp_at_end and ramp_bytes > 0:
+        # Plan the mirrored transfer (last page first), then mirror it back.
+        mirrored = plan(num_layers, n_blocks, page_bytes, slot_bytes, ramp_bytes=ramp_bytes)
+        units = [
+            Unit(num_layers - u.l1, num_layers - u.l0, n_blocks - u.j1, n_blocks - u.j0)
+            for u in reversed(mirrored)
+        ]
+    return units
 
 
 class _Handle(TransferHandle):
@@ -213,7 +238,13 @@ class TransferEngine(BlockMover):
         if n == 0:
             return _Handle(self._sync, None, None, ())
         s = self._sync
-        units = plan(kv.num_layers, n, kv.geometry.page_bytes, self._unit_bytes(kv, n))
+        units = plan(
+            kv.num_layers,
+            n,
+            kv.geometry.page_bytes,
+            self._unit_bytes(kv, n),
+            ramp_bytes=0 if self._direct else self.options.ramp_bytes,
+        )
         with self._lock:
             s.after_current("gather")
             with s.on("gather"):
@@ -259,7 +290,14 @@ class TransferEngine(BlockMover):
         if n == 0:
             return _Handle(self._sync, None, [None] * kv.num_layers, ())
         s = self._sync
-        units = plan(kv.num_layers, n, kv.geometry.page_bytes, self._unit_bytes(kv, n))
+        units = plan(
+            kv.num_layers,
+            n,
+            kv.geometry.page_bytes,
+            self._unit_bytes(kv, n),
+            ramp_bytes=0 if self._direct else self.options.ramp_bytes,
+            ramp_at_end=True,
+        )
         layer_events: list[Any] = [None] * kv.num_layers
         with self._lock:
             # Blocks vLLM zeroed (or attention still reads) on the compute stream come first.

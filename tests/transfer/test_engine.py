@@ -39,6 +39,11 @@ def _cuda_reason() -> str | None:
 ENGINES = [
     pytest.param("cpu", TransferOptions(), id="cpu-direct"),
     pytest.param(
+        "cpu",
+        TransferOptions(staging_bytes=1 << 20, slots=2, cpu_direct=False, ramp_bytes=8192),
+        id="cpu-ramp",
+    ),
+    pytest.param(
         "cpu", TransferOptions(staging_bytes=2 * 40960, slots=2, cpu_direct=False), id="cpu-split"
     ),
     pytest.param(
@@ -48,6 +53,15 @@ ENGINES = [
         "cuda",
         TransferOptions(staging_bytes=2 * 40960, slots=2),
         id="cuda-split",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason())),
+        ],
+    ),
+    pytest.param(
+        "cuda",
+        TransferOptions(staging_bytes=1 << 20, slots=2, ramp_bytes=8192),
+        id="cuda-ramp",
         marks=[
             pytest.mark.gpu,
             pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason())),
@@ -216,6 +230,9 @@ def test_store_into_shared_arena():
 
 
 @pytest.mark.parametrize(
+    ("ramp", "at_end"), [(0, False), (4096, False), (4096, True), (1 << 22, True)]
+)
+@pytest.mark.parametrize(
     ("layers", "n", "page", "slot"),
     [
         (32, 2048, 65536, 64 << 20),
@@ -224,13 +241,21 @@ def test_store_into_shared_arena():
         (1, 1, 100, 100),
     ],
 )
-def test_plan_covers_each_page_once_within_a_slot(layers, n, page, slot):
+def test_plan_covers_each_page_once_within_a_slot(layers, n, page, slot, ramp, at_end):
     seen = np.zeros((layers, n), dtype=np.int64)
-    for u in plan(layers, n, page, slot):
+    units = plan(layers, n, page, slot, ramp_bytes=ramp, ramp_at_end=at_end)
+    for u in units:
         assert (u.l1 - u.l0) * (u.j1 - u.j0) * page <= slot
         assert u.j1 - u.j0 == n or u.l1 - u.l0 == 1  # partial layers are single-layer units
         seen[u.l0 : u.l1, u.j0 : u.j1] += 1
     assert np.all(seen == 1)
+    # Units run in layer order, and a layer's block ranges in ascending order, so the
+    # unit that ends a layer comes after every other unit of that layer.
+    order = [(u.l0, u.j0) for u in units]
+    assert order == sorted(order)
+    if ramp:
+        edge = units[-1] if at_end else units[0]
+        assert (edge.l1 - edge.l0) * (edge.j1 - edge.j0) * page <= max(ramp, page)
 
 
 def test_plan_refuses_a_page_larger_than_a_slot():
