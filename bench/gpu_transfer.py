@@ -409,6 +409,75 @@ def run_staging_sweep(
     return rows
 
 
+def run_small(
+    dev: torch.device, geo: Geometry, sizes: list[int], reps: int, trace_dir: str | None
+) -> list[dict[str, Any]]:
+    """Where small transfers lose time: engine vs ceiling by size, with and without the
+    per-block loop in the rotation, plus a CUDA timeline of one store per size."""
+    rows: list[dict[str, Any]] = []
+    for tokens in sizes:
+        c = Case(dev, geo, tokens, Layout.LBNHC, seed=29)
+        flat = torch.empty(c.nbytes // 8, dtype=torch.int64, device=dev)
+        fill_random([flat], 10)
+        hf = c.host.view(torch.int64)
+        engines = {
+            "ramp0": TransferEngine(dev, TransferOptions(ramp_bytes=0)),
+            "ramp4M": TransferEngine(dev, TransferOptions(ramp_bytes=4 << 20)),
+        }
+        try:
+            fns: dict[str, Callable[[], object]] = {
+                "ceiling": lambda: hf.copy_(flat, non_blocking=True),  # noqa: B023
+            }
+            for k, e in engines.items():
+                fns[k] = functools.partial(_store_wait, e, c)
+            t = interleave(dev, fns, reps * 3, warmup=3)
+            fns["perblock"] = c.perblock_store
+            t2 = interleave(dev, fns, reps, warmup=1)
+            ceil, ceil2 = statistics.median(t["ceiling"]), statistics.median(t2["ceiling"])
+            row: dict[str, Any] = {"tokens": tokens, "bytes": c.nbytes}
+            for k in engines:
+                row[f"x_ceiling_{k}"] = ceil / statistics.median(t[k])
+                row[f"x_ceiling_{k}_with_perblock"] = ceil2 / statistics.median(t2[k])
+            row["raw"] = {k: summary(v, c.nbytes) for k, v in t.items()}
+            row["raw_with_perblock"] = {k: summary(v, c.nbytes) for k, v in t2.items()}
+            # Host-side cost: how long the enqueue call itself takes (no wait).
+            enq = []
+            for _ in range(5):
+                _sync(dev)
+                t0 = time.perf_counter()
+                h = engines["ramp0"].store(c.kv, c.ids_list, c.host)
+                enq.append(time.perf_counter() - t0)
+                h.wait()
+            row["enqueue_s"] = statistics.median(enq)
+            if dev.type == "cuda":
+                from torch.profiler import ProfilerActivity, profile
+
+                acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+                with profile(activities=acts) as prof:
+                    for _ in range(2):
+                        hf.copy_(flat, non_blocking=True)
+                        _sync(dev)
+                        engines["ramp0"].store(c.kv, c.ids_list, c.host).wait()
+                        _sync(dev)
+                if trace_dir and tokens <= 8192:
+                    prof.export_chrome_trace(os.path.join(trace_dir, f"trace_store_{tokens}.json"))
+                row["profile"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
+            rows.append(row)
+            print(
+                f"small {tokens:>6}: x ceil ramp0 {row['x_ceiling_ramp0']:.3f} ramp4M "
+                f"{row['x_ceiling_ramp4M']:.3f}; with perblock in rotation "
+                f"{row['x_ceiling_ramp0_with_perblock']:.3f}; "
+                f"enqueue {row['enqueue_s'] * 1e3:.2f} ms",
+                flush=True,
+            )
+        finally:
+            for e in engines.values():
+                e.close()
+            c.close()
+            gc.collect()
+    return rows
+
+
 def run_gather(dev: torch.device, geo: Geometry, tokens: int, reps: int) -> dict[str, Any]:
     """Device-only rate of the gather and scatter kernels (no PCIe): HBM bytes read+written."""
     c = Case(dev, geo, tokens, Layout.LBNHC, seed=23)
@@ -651,6 +720,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--sections", default="cases,layouts,staging,gather,layerwise,interference")
     p.add_argument("--max-tokens", type=int, default=131072)
     p.add_argument("--host", choices=("auto", "arena", "pinned"), default="auto")
+    p.add_argument("--trace-dir", default=None, help="write CUDA timelines (small section)")
     a = p.parse_args(argv)
     global HOST_MODE
     HOST_MODE = a.host
@@ -733,6 +803,16 @@ def main(argv: list[str]) -> int:
         ],
     )
     payload["gather"] = section("gather", lambda: run_gather(dev, main_geo, main_tokens, a.reps))
+    payload["small"] = section(
+        "small",
+        lambda: run_small(
+            dev,
+            main_geo,
+            [256] if a.quick else [2048, 4096, 8192, 16384],
+            a.reps,
+            a.trace_dir,
+        ),
+    )
     payload["layerwise"] = section(
         "layerwise", lambda: run_layerwise(dev, main_geo, main_tokens, a.reps, opts, mm_layer)
     )
