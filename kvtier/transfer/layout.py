@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -211,12 +211,40 @@ class PagedKV:
         # One word size for all layers, so staging and host views share one dtype.
         self.word_bytes = min(d.word_bytes for d in described)
         self.layers = [self._rewiden(d) for d in described]
+        self.names: list[str] = [str(i) for i in range(len(layers))]
+        self._index: dict[str, int] = {name: i for i, name in enumerate(self.names)}
 
     def _rewiden(self, d: PagedLayer) -> torch.Tensor:
         if d.word_bytes == self.word_bytes:
             return d.words
         w = d.words.view(_WORD_DTYPES[1]())
         return w.view(_WORD_DTYPES[self.word_bytes]())
+
+    @classmethod
+    def from_named(
+        cls, kv_caches: Mapping[str, torch.Tensor], block_dim: int | None = None
+    ) -> PagedKV:
+        """Describe the dict vLLM passes to ``register_kv_caches`` (layer name -> tensor).
+
+        Layers keep the dict's order (vLLM registers them in model order), so layer ``i``
+        of the host format and of :meth:`TransferHandle.wait_for_layer` is the i-th name;
+        :meth:`layer_index` maps a name (as ``wait_for_layer_load`` receives it) back.
+        """
+        kv = cls(list(kv_caches.values()), block_dim)
+        kv.names = list(kv_caches)
+        kv._index = {name: i for i, name in enumerate(kv.names)}
+        return kv
+
+    def layer_index(self, name: str) -> int:
+        """Position of layer ``name`` (built with :meth:`from_named`).
+
+        Raises:
+            InputError: an unknown name.
+        """
+        try:
+            return self._index[name]
+        except KeyError:
+            raise InputError(f"no layer named {name!r} in this cache") from None
 
     @property
     def num_layers(self) -> int:

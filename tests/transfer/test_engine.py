@@ -305,3 +305,12 @@ def test_cuda_engine_without_a_device_says_why():
         pytest.skip("a CUDA device is present")
     with pytest.raises(InputError, match="no CUDA device"):
         TransferEngine("cuda:0")
+
+
+def test_named_layers_map_to_positions():
+    layers = _make(Layout.LBNHC, torch.bfloat16, "cpu")
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    kv = PagedKV.from_named(dict(zip(names, layers, strict=True)))
+    assert [kv.layer_index(n) for n in names] == list(range(LAYERS))
+    with pytest.raises(InputError, match="no layer named"):
+        kv.layer_index("model.layers.99.self_attn.attn")
