@@ -314,3 +314,30 @@ def test_named_layers_map_to_positions():
     assert [kv.layer_index(n) for n in names] == list(range(LAYERS))
     with pytest.raises(InputError, match="no layer named"):
         kv.layer_index("model.layers.99.self_attn.attn")
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", ["LBHNC", "LBNHC", "BLHNC"])
+def test_caches_are_strided_like_vllm(name):
+    """make_paged_cache builds vLLM 0.32's own byte strides (kv_cache_interface)."""
+    kvi = pytest.importorskip("vllm.v1.kv_cache_interface")
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    spec = kvi.FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16
+    )
+    want = kvi.compute_layout_strides(spec, BLOCKS, LAYERS, KVCacheLayout[name])
+    layers = make_paged_cache(
+        Layout[name],
+        num_layers=LAYERS,
+        num_blocks=BLOCKS,
+        block_size=BLOCK_SIZE,
+        num_kv_heads=HEADS,
+        head_size=HEAD,
+        dtype=torch.bfloat16,
+    )
+    es = layers[0].element_size()
+    layer_stride = (layers[1].storage_offset() - layers[0].storage_offset()) * es
+    # vLLM's last (C) axis is counted in bytes, ours in elements.
+    got = (layer_stride, *(s * es for s in layers[0].stride()[:3]), 1)
+    assert got == tuple(want)
