@@ -93,24 +93,37 @@ class BlockMover(ABC):
         """Enqueue a copy of host ``src`` (uint8) into ``block_ids`` of every layer."""
 
     def gather(
-        self, kv: PagedKV, block_ids: Sequence[int], out: torch.Tensor | None = None
+        self,
+        kv: PagedKV | Sequence[torch.Tensor],
+        block_ids: Sequence[int],
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Copy the blocks out and return the host bytes once they are there.
 
         Args:
-            kv: the cache.
+            kv: the cache, or its per-layer tensors (described on every call: build a
+                :class:`~kvtier.transfer.layout.PagedKV` once where calls repeat).
             block_ids: blocks to copy (any order; repeats allowed).
             out: host uint8 tensor of ``kv.nbytes(len(block_ids))`` bytes, or None to
                 allocate one (pinned where CUDA is present).
         """
         import torch
 
+        paged = _paged(kv)
         if out is None:
-            pin = kv.device.type == "cuda"
-            out = torch.empty(kv.nbytes(len(block_ids)), dtype=torch.uint8, pin_memory=pin)
-        self.store(kv, block_ids, out).wait()
+            pin = paged.device.type == "cuda"
+            out = torch.empty(paged.nbytes(len(block_ids)), dtype=torch.uint8, pin_memory=pin)
+        self.store(paged, block_ids, out).wait()
         return out
 
-    def scatter(self, src: torch.Tensor, kv: PagedKV, block_ids: Sequence[int]) -> None:
+    def scatter(
+        self, src: torch.Tensor, kv: PagedKV | Sequence[torch.Tensor], block_ids: Sequence[int]
+    ) -> None:
         """Copy host bytes into the blocks and return once they are there."""
-        self.load(src, kv, block_ids).wait()
+        self.load(src, _paged(kv), block_ids).wait()
+
+
+def _paged(kv: PagedKV | Sequence[torch.Tensor]) -> PagedKV:
+    from kvtier.transfer.layout import PagedKV
+
+    return kv if isinstance(kv, PagedKV) else PagedKV(kv)

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from kvtier.errors import InputError
+from kvtier.errors import ClosedError, InputError
 from kvtier.transfer.base import BlockMover, TransferHandle, TransferOptions
 from kvtier.transfer.layout import PagedKV
 from kvtier.transfer.sync import CpuSync, Sync
@@ -186,6 +186,7 @@ class TransferEngine(BlockMover):
             )
         self._free: list[list[Any]] = [[None] * self.options.slots for _ in (_STORE, _LOAD)]
         self._next = [0, 0]
+        self._closed = False
 
     @property
     def staging_bytes(self) -> int:
@@ -340,6 +341,8 @@ class TransferEngine(BlockMover):
         return self.options.slot_bytes
 
     def _check_kv(self, kv: PagedKV) -> None:
+        if self._closed:
+            raise ClosedError("the transfer engine was closed")
         if kv.device != self.device:
             raise InputError(
                 f"the cache is on {kv.device}, this engine moves data for {self.device}"
@@ -349,3 +352,4 @@ class TransferEngine(BlockMover):
         """Wait for queued transfers and release the staging memory. Idempotent."""
         self._sync.drain()
         self._staging = []
+        self._closed = True

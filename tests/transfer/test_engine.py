@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvtier.config import Switch  # noqa: E402
-from kvtier.errors import InputError  # noqa: E402
+from kvtier.errors import ClosedError, InputError  # noqa: E402
 from kvtier.tiers.memory import SharedArena  # noqa: E402
 from kvtier.transfer import (  # noqa: E402
     Layout,
@@ -292,6 +292,21 @@ def test_layers_of_different_geometry_are_refused():
     b = torch.empty(BLOCKS, HEADS, BLOCK_SIZE, HEAD, dtype=torch.bfloat16)
     with pytest.raises(InputError, match="geometry"):
         PagedKV([a, b])
+
+
+def test_gather_and_scatter_take_plain_layer_tensors():
+    layers = _make(Layout.KV_HND, torch.float16, "cpu")
+    _fill_random(layers, 8)
+    ids = [5, 0, 36, 12]
+    eng = TransferEngine("cpu", TransferOptions(cpu_direct=False, staging_bytes=1 << 16, slots=2))
+    host = eng.gather(layers, ids)
+    assert host.numpy().tobytes() == _host_ref(layers, ids, 1)
+    _fill_poison(layers)
+    eng.scatter(host, layers, ids)
+    assert _host_ref(layers, ids, 1) == host.numpy().tobytes()
+    eng.close()
+    with pytest.raises(ClosedError):
+        eng.gather(layers, ids)
 
 
 def test_empty_transfer_is_a_completed_handle():
