@@ -717,7 +717,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device", default="auto", help="cuda, cpu or auto")
     p.add_argument("--quick", action="store_true", help="tiny sizes (CPU / smoke test)")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--sections", default="cases,layouts,staging,gather,layerwise,interference")
+    p.add_argument(
+        "--sections", default="cases,layouts,staging,gather,small,layerwise,interference"
+    )
     p.add_argument("--max-tokens", type=int, default=131072)
     p.add_argument("--host", choices=("auto", "arena", "pinned"), default="auto")
     p.add_argument("--trace-dir", default=None, help="write CUDA timelines (small section)")
