@@ -12,8 +12,10 @@ For each case and direction, in the same run, on the same bytes, interleaved:
 * ``perblock``: one ``copy_`` per (layer, block), the peers' way.
 
 Then: other layouts (LBHNC, cross-layer BLHNC, K/V-first) at 32K tokens; a staging
-sweep; layer-wise loading (a synthetic forward that waits per layer) against load-then-
-compute; matmul throughput while stores run against idle. Every transfer is verified
+sweep; the gather/scatter kernels alone; small transfers (2K-16K tokens: ramp, enqueue
+cost, a CUDA timeline with ``--trace-dir``); layer-wise loading (a synthetic forward that
+waits per layer) against load-then-compute; matmul throughput while stores run against
+idle. ``--sections`` picks a subset. Every transfer is verified
 byte for byte (stores against an on-device gather of the same ids, loads by comparing
 the whole cache, poisoned at the target blocks first, with a copy taken before).
 
