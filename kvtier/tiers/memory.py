@@ -13,6 +13,7 @@ import logging
 import mmap
 import os
 import secrets
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +65,14 @@ class SharedArena:
         self.path = base / f"kvtier-{os.getpid()}-{next(_counter)}-{safe}-{secrets.token_hex(3)}"
         self.size_bytes = size_bytes
         self.pinned = False
+        # tmpfs grants a larger file than it can back; touching the missing pages later
+        # kills the process with SIGBUS. Refuse up front, with a reason.
+        free = shutil.disk_usage(base).free
+        if free < size_bytes:
+            raise TierIOError(
+                f"{base} has {free} bytes free, the {label!r} arena needs {size_bytes}: "
+                "lower capacity_bytes or enlarge /dev/shm"
+            )
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
