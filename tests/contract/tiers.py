@@ -30,7 +30,7 @@ def cxl_emulated(tmp: Path, slot: int, cap: int) -> Tier:
     from kvtier.tiers.cxl import CXLTier, Options
 
     # Fast emulated profile so the suite stays quick; the throttle path still runs.
-    return CXLTier("cxl", cap, slot, MAX_EXTENT, Options(emulate=Switch.ON, latency_us=1.0, bandwidth_gbps=200.0))
+    return CXLTier("cxl", cap, slot, MAX_EXTENT, Options(emulate=Switch.ON, latency_us=1.0, bandwidth_gbps=200.0, pin=Switch.OFF))
 
 
 def gpu(tmp: Path, slot: int, cap: int) -> Tier:

@@ -1,6 +1,6 @@
 """Child of the NVMe crash test: writes chunks without end until it is SIGKILLed.
 
-Usage: ``python nvme_crash_child.py DIR FIRST_ID SEED``. Prints ``READY`` once the
+Usage: ``python nvme_crash_child.py DIR FIRST_ID SEED [DURABILITY]``. Prints ``READY`` once the
 store is open, ``A <first> <n>`` after each acknowledged put of chunks ``first ..
 first+n-1`` and ``D <first> <n>`` after deleting them. Chunk ``i`` holds
 ``tests.tiers.nvme.conftest.value(i)``, so the parent can verify every byte.
@@ -26,11 +26,12 @@ LIVE_LIMIT = 300  # chunks this child keeps; older ones it deletes (DEL records,
 
 def main() -> None:
     directory, first, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    durability = Durability(sys.argv[4]) if len(sys.argv) > 4 else Durability.SYNC
     rng = random.Random(seed)
     opts = Options(
         dir=directory,
         engine=EngineKind.POSIX,
-        durability=Durability.SYNC,
+        durability=durability,
         checkpoint_min_records=rng.choice([64, 256, 4096]),  # compactions happen mid-run
     )
     tier = NVMeTier("nv", CAP_SLOTS * SLOT, SLOT, 1 << 30, opts)

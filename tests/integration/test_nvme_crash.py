@@ -38,9 +38,9 @@ ID_STRIDE = 1_000_000
 class Child:
     """A writer process and a thread that collects what it acknowledged."""
 
-    def __init__(self, directory: Path, first: int, seed: int) -> None:
+    def __init__(self, directory: Path, first: int, seed: int, durability: Durability) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(CHILD), str(directory), str(first), str(seed)],
+            [sys.executable, str(CHILD), str(directory), str(first), str(seed), durability.value],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -108,14 +108,18 @@ def _verify(directory: Path, candidates: set[int]) -> tuple[set[int], int]:
 
 
 @pytest.mark.slow
-def test_sigkill_at_random_points(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("durability", "rounds"), [(Durability.SYNC, ROUNDS), (Durability.BATCH, 6)]
+)
+def test_sigkill_at_random_points(tmp_path: Path, durability: Durability, rounds: int) -> None:
+    """Under ``batch`` acknowledged chunks may be lost (its documented window); bytes never."""
     rng = random.Random(int(os.environ.get("KVTIER_CRASH_SEED", "20261129")))
     candidates: set[int] = set()
     kept_from_before: set[int] = set()
     kills_with_writes = 0
-    for rnd in range(ROUNDS):
+    for rnd in range(rounds):
         first = (rnd + 1) * ID_STRIDE
-        child = Child(tmp_path, first, rng.randrange(1 << 30))
+        child = Child(tmp_path, first, rng.randrange(1 << 30), durability)
         if rnd % 4 == 3:
             time.sleep(rng.uniform(0.0, 0.8))  # may land in start-up or recovery
         else:
@@ -130,8 +134,9 @@ def test_sigkill_at_random_points(tmp_path: Path) -> None:
         present, count = _verify(tmp_path, candidates | kept_from_before)
         must = child.acked - child.deleted
         missing = must - present
-        assert not missing, f"round {rnd}: acknowledged chunks lost: {sorted(missing)[:10]}"
+        if durability is Durability.SYNC:
+            assert not missing, f"round {rnd}: acknowledged chunks lost: {sorted(missing)[:10]}"
         assert count == len(present), "the index holds chunks that are not among the ids written"
         kept_from_before = {i for i in present if i >= first}
         candidates = set(kept_from_before)
-    assert kills_with_writes >= 15
+    assert kills_with_writes >= rounds * 2 // 3

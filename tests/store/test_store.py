@@ -152,3 +152,23 @@ def test_failing_tier_read_is_a_miss_not_an_exception() -> None:
         assert st.tier_errors == 1
         # Chunks that failed to read are never served again.
         assert store.lookup(ks).hits == 0
+
+
+def test_put_protects_its_prefix_from_its_own_eviction() -> None:
+    with TieredStore([host("only", 8)], io_threads=1) as store:
+        head = [key(0)]
+        store.put(head, rand(SLOT)).result()
+        long_tail = [key(i) for i in range(1, 12)]  # longer than the whole store
+        r = store.put(long_tail, rand(11 * SLOT, 1), prefix=head).result()
+        assert r.stored == 7
+        # The head survived, so the stored part of the sequence is reachable.
+        assert store.lookup(head + long_tail).hits == 8
+
+
+def test_duplicate_keys_in_one_put_are_stored_once() -> None:
+    with TieredStore([host("only", 8)], io_threads=1) as store:
+        r = store.put([key(1), key(1)], rand(2 * SLOT)).result()
+        assert (r.stored, r.present) == (1, 1)
+        assert store.lookup([key(1)]).value_bytes == (SLOT,)
+        store.delete([key(1)])
+        assert store.stats().tiers[0].used_bytes == 0

@@ -43,9 +43,19 @@ def test_random_bytes_stay_raw_and_odd_lengths_work() -> None:
 
 
 def test_corrupt_payload_is_refused() -> None:
+    # The codec catches payloads that cannot decode to the right size; flipped bytes that
+    # still decode are the checksum's job (the nvme tier verifies stored bytes first).
     data = _bf16(1 << 16)
     enc = codec.encode(data, min_ratio=0.0)
-    bad = bytearray(enc.payload)
-    bad[len(bad) // 2 :] = b"\xff" * (len(bad) - len(bad) // 2)
-    with pytest.raises(CorruptChunkError):
-        codec.decode(enc.codec, bytes(bad), np.zeros_like(data))
+    bad_len = bytearray(enc.payload)
+    bad_len[0] ^= 0x40
+    truncated = bytes(enc.payload)[:-100]
+    plain = codec.encode(data, width=1, min_ratio=0.0)
+    garbage = b"\xff" * len(plain.payload)
+    for codec_id, payload in (
+        (enc.codec, bytes(bad_len)),
+        (enc.codec, truncated),
+        (plain.codec, garbage),
+    ):
+        with pytest.raises(CorruptChunkError):
+            codec.decode(codec_id, payload, np.zeros_like(data))

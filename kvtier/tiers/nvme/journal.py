@@ -403,6 +403,9 @@ class Journal:
         self._pending: list[bytes] = []
         self._pending_ops: list[tuple[Op, Entry]] = []
         self._pending_last = 0
+        self._first_at = 0.0
+        self._pending_puts = 0
+        self._unsynced_data = False
         self._ticket = Ticket()
         self._flush_asked = 0
         self._closing = False
@@ -497,15 +500,34 @@ class Journal:
     def append(self, ops: list[tuple[Op, Entry]]) -> Ticket:
         """Queue records; returns the ticket of the commit that carries them. No I/O."""
         with self._cond:
+            first = not self._pending
             for op, e in ops:
                 self._pending.append(pack_record(op, self._seq, e))
                 self._pending_ops.append((op, e))
                 self._seq += 1
+                if op is Op.PUT:
+                    self._pending_puts += 1
             self._pending_last = self._seq - 1
             ticket = self._ticket
-            if self.durability is not Durability.BATCH:
+            if first:
+                # The batch window opens with its first record (batch mode commits it
+                # within interval_s of now); other modes commit at once.
+                self._first_at = time.monotonic()
+                self._cond.notify_all()
+            elif self._urgent():
                 self._cond.notify_all()
             return ticket
+
+    def _urgent(self) -> bool:
+        """Whether queued records must go out now rather than within ``interval_s``.
+
+        Under ``sync`` only PUTs have writers waiting; deletions alone wait for the next
+        PUT or the interval (a lost DEL only brings back a chunk that still verifies), so
+        eviction storms do not cost two flushes per victim.
+        """
+        if self.durability is Durability.NONE:
+            return True
+        return self.durability is Durability.SYNC and self._pending_puts > 0
 
     def flush(self) -> None:
         """Commit everything queued so far, durably, whatever the durability mode.
@@ -546,16 +568,18 @@ class Journal:
     def _run(self) -> None:
         while True:
             with self._cond:
-                deadline = time.monotonic() + self.interval_s
-                while not self._closing:
-                    if self._pending and self.durability is not Durability.BATCH:
+                while True:
+                    if self._flush_asked or (self._closing and not self._pending):
                         break
-                    if self._flush_asked:
-                        break
-                    if self._pending and time.monotonic() >= deadline:
-                        break
-                    timeout = max(0.0, deadline - time.monotonic()) if self._pending else None
-                    self._cond.wait(timeout)
+                    if self._pending:
+                        if self._urgent() or self._closing:
+                            break
+                        left = self._first_at + self.interval_s - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._cond.wait(left)
+                    else:
+                        self._cond.wait()
                 if self._closing and not self._pending and not self._flush_asked:
                     return
                 durable = self.durability is not Durability.NONE or self._flush_asked > 0
@@ -563,14 +587,24 @@ class Journal:
                 batch, ops, ticket = self._pending, self._pending_ops, self._ticket
                 last = self._pending_last
                 self._pending, self._pending_ops, self._ticket = [], [], Ticket()
-            ticket._finish(self._commit(batch, ops, durable, last))
+                self._pending_puts = 0
+            try:
+                error = self._commit(batch, ops, durable, last)
+            except Exception as exc:  # a bug here must not leave sync writers waiting forever
+                log.exception("nvme: journal commit thread failed")
+                error = OSError(f"journal commit failed: {exc!r}")
+            ticket._finish(error)
 
     def _commit(
         self, batch: list[bytes], ops: list[tuple[Op, Entry]], durable: bool, last_seq: int
     ) -> OSError | None:
         try:
-            if durable:
+            has_put = any(op is Op.PUT for op, _ in ops)
+            if durable and (has_put or self._unsynced_data):
                 self._sync_data()  # data before the records that point at it
+                self._unsynced_data = False
+            elif has_put:
+                self._unsynced_data = True  # "none": the next durable commit flushes it
             if batch:
                 self._pwrite_all(self._fd, b"".join(batch), self._pos)
             if durable:

@@ -346,16 +346,17 @@ class NVMeTier(Tier):
         """(slab index, byte offset in it) of a slot."""
         return slot // self._per_slab, (slot % self._per_slab) * self.slot_bytes
 
-    def _pieces(self, run: SlotRun) -> list[tuple[int, int, int, int]]:
-        """Split a run into (slab, byte offset, first index in run, slots) transfers."""
+    def _pieces(self, run: SlotRun, per_chunk: bool) -> list[tuple[int, int, int, int]]:
+        """Split a run into (slab, byte offset, first index in run, slots) transfers.
+
+        ``per_chunk``: one transfer per chunk (encoded chunks have their own lengths).
+        """
         out = []
         j = 0
-        if self.options.codec is not Codec.NONE:
-            step = 1
-        else:
-            # At least one piece per engine thread when the run allows it: a 4 MiB run
-            # of two 2 MiB chunks goes out as two transfers in parallel, not one.
-            step = max(1, min(self._piece_slots, -(-run.n // self.engine.threads)))
+        # Otherwise at least one piece per engine thread when the run allows it: a 4 MiB
+        # run of two 2 MiB chunks goes out as two transfers in parallel, not one.
+        spread = max(1, min(self._piece_slots, -(-run.n // self.engine.threads)))
+        step = 1 if per_chunk else spread
         while j < run.n:
             slot = run.offset + j
             slab_end = (slot // self._per_slab + 1) * self._per_slab
@@ -401,7 +402,7 @@ class NVMeTier(Tier):
     @override
     def _write(self, run: SlotRun, src: memoryview) -> None:
         self._check_open()
-        pieces = self._pieces(run)
+        pieces = self._pieces(run, self.options.codec is not Codec.NONE)
         self._check_slabs({p[0] for p in pieces})
         vb, sb = run.value_bytes, self.slot_bytes
         data = np.frombuffer(src, dtype=np.uint8)
@@ -414,20 +415,11 @@ class NVMeTier(Tier):
         for f, off, j, m in pieces:
             chunk = data[j * vb : (j + m) * vb]
             if use_codec:
-                enc = kvcodec.encode(chunk, min_ratio=min_ratio)
-                payload = np.frombuffer(enc.payload, dtype=np.uint8)
-                stored[j], codecs[j] = payload.nbytes, enc.codec
-                sums[j] = _sum(payload)
-                nbytes = align_up(payload.nbytes, PAGE)
-                reqs.append(
-                    IORequest(
-                        f,
-                        off,
-                        nbytes,
-                        prepare=_filler(self._bufs, payload, nbytes),
-                        release=self._release_buf,
-                    )
-                )
+                # Compression runs on the engine threads, one chunk per transfer; the
+                # transfer's size is known only once the chunk is encoded.
+                req = IORequest(f, off, 0, release=self._release_buf)
+                req.prepare = self._encoder(req, chunk, j, sums, stored, codecs, min_ratio)
+                reqs.append(req)
                 continue
             direct_ok = vb == sb and (not self.engine.direct[f] or is_aligned(chunk))
 
@@ -484,7 +476,9 @@ class NVMeTier(Tier):
                 )
         out = np.frombuffer(dst, dtype=np.uint8)
         reqs = []
-        for f, off, j, m in self._pieces(run):
+        # Chunks stored encoded (by this run or an earlier one with a codec) move one by one.
+        encoded = any(e is not None and e.codec != kvcodec.RAW for e in metas)
+        for f, off, j, m in self._pieces(run, encoded):
             group = metas[j : j + m]
             target = out[j * vb : (j + m) * vb]
             if group[0] is not None and group[0].codec != kvcodec.RAW:
@@ -536,6 +530,27 @@ class NVMeTier(Tier):
             self.engine.read(reqs)
         except OSError as exc:
             raise self._io_error("read", exc) from exc
+
+    def _encoder(
+        self,
+        req: IORequest,
+        chunk: np.ndarray,
+        j: int,
+        sums: list[int],
+        stored: list[int],
+        codecs: list[int],
+        min_ratio: float,
+    ) -> Any:
+        def prepare() -> Any:
+            enc = kvcodec.encode(chunk, min_ratio=min_ratio)
+            payload = np.frombuffer(enc.payload, dtype=np.uint8)
+            stored[j], codecs[j], sums[j] = payload.nbytes, enc.codec, _sum(payload)
+            req.nbytes = align_up(payload.nbytes, PAGE)
+            buf = self._bufs.get(req.nbytes)
+            np.frombuffer(buf, dtype=np.uint8, count=payload.nbytes)[:] = payload
+            return buf
+
+        return prepare
 
     def _decoder(self, e: Entry, target: np.ndarray) -> Any:
         def done(buf: Any) -> None:
@@ -594,6 +609,10 @@ class NVMeTier(Tier):
         _unlock(self._lock_fd)
         self._lock_fd = -1
 
+    @override
+    def media_bytes_written(self) -> int:
+        return self.nvme_stats().media_bytes_written
+
     def nvme_stats(self) -> NVMeStats:
         """Counters specific to this tier (media bytes for the endurance budget, faults)."""
         j = self._journal
@@ -644,12 +663,3 @@ def _unlock(fd: int) -> None:
 
 def _sum(data: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(memoryview(data))  # type: ignore[arg-type]
-
-
-def _filler(pool: BufferPool, payload: np.ndarray, nbytes: int) -> Any:
-    def prepare() -> Any:
-        buf = pool.get(nbytes)
-        np.frombuffer(buf, dtype=np.uint8, count=payload.nbytes)[:] = payload
-        return buf
-
-    return prepare

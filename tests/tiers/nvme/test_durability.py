@@ -102,3 +102,47 @@ def test_codec_round_trips_and_writes_fewer_bytes(make_store, tmp_path: Path) ->
     assert store.get([key(i) for i in range(n)], out).result().chunks == n
     assert np.array_equal(out, data)
     assert get_all(store, [100], big) == {100: True}
+
+
+def test_batch_commits_on_its_own_without_a_flush(make_store) -> None:
+    import time
+
+    store, tier = make_store(durability=Durability.BATCH, batch_interval_ms=10.0)
+    before = tier.nvme_stats().commits
+    store.put([key(1)], values([1])).result()
+    for _ in range(1000):  # wait for the event, not for a duration
+        if tier.nvme_stats().commits > before:
+            break
+        time.sleep(0.01)
+    assert tier.nvme_stats().commits > before
+
+
+def test_encoded_chunks_read_back_after_the_codec_is_turned_off(make_store) -> None:
+    big = 1 << 20
+    store, _ = make_store(codec=Codec.LZ4_SHUFFLE, slot=big, cap=16 * big)
+    data = np.concatenate([_kv_like(big, i) for i in range(4)])
+    assert store.put([key(i) for i in range(4)], data).result().stored == 4
+    store.close()
+    store, _ = make_store(slot=big, cap=16 * big)  # codec = "none" now
+    out = np.zeros_like(data)
+    assert store.get([key(i) for i in range(4)], out).result().chunks == 4
+    assert np.array_equal(out, data)
+
+
+def test_deletions_alone_do_not_force_commits_under_sync(make_store) -> None:
+    # The commit interval is a minute, so deletions alone must wait for it (or for a PUT,
+    # or a flush); a PUT commits at once.
+    store, tier = make_store(batch_interval_ms=60_000.0)
+    ids = list(range(30))
+    assert store.put([key(i) for i in ids], values(ids)).result().stored == 30
+    before = tier.nvme_stats().commits
+    store.delete([key(i) for i in ids[:10]])
+    for i in ids[10:20]:
+        store.delete([key(i)])
+    assert tier.nvme_stats().commits == before
+    assert store.put([key(100)], values([100])).result().stored == 1  # carries the DELs along
+    assert tier.nvme_stats().commits == before + 1
+    store.delete([key(i) for i in ids[20:]])
+    store.close()  # the clean close commits the rest
+    store, _ = make_store()
+    assert get_all(store, [*ids, 100]) == {100: True}
