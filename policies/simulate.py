@@ -9,9 +9,10 @@ the store keeps scales back to real bytes exactly.
 
 Per request the simulator does what an engine connector does: ``lookup`` the prompt's
 full blocks, ``get`` the leading hits (lower-tier hits may be promoted), ``put`` the
-rest. From the store's own counters it reports per-tier hit rates, bytes written and
-read per tier, SSD wear; from the tier profiles and the recompute model, a TTFT per
-request (load of the hit prefix, then prefill of the rest on top of it) and the cost.
+rest with the hit as its protected ``prefix``. From the store's own counters it reports
+per-tier hit rates, bytes written and read per tier, SSD wear; from the tier profiles
+and the recompute model, a TTFT per request (load of the hit prefix, then prefill of the
+rest on top of it) and the cost.
 """
 
 from __future__ import annotations
@@ -242,7 +243,8 @@ def simulate(cfg: SimConfig, trace: Trace) -> SimResult:
                 if hits:
                     store.get(keys[:hits], view[: hits * STAND_IN_BYTES]).result()
                 if hits < n:
-                    store.put(keys[hits:], view[: (n - hits) * STAND_IN_BYTES]).result()
+                    store.put(keys[hits:], view[: (n - hits) * STAND_IN_BYTES],
+                              prefix=keys[:hits]).result()
             cached = min(hits * bt, r.input_tokens)
             compute = rc.prefill_s(r.input_tokens, cached)
             load = sum(load_s[t][k] for t, k in enumerate(per_tier) if k)

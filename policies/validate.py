@@ -122,7 +122,7 @@ def validate(
                             bad += 1
                 if hits < len(keys):
                     data = np.concatenate([_value(b, salt, value_bytes) for b in blocks[hits:]])
-                    store.put(keys[hits:], data).result()
+                    store.put(keys[hits:], data, prefix=keys[:hits]).result()
                 store.flush()  # promotions land before the next request, as in the simulator
             st = store.stats()
         finally:

@@ -111,20 +111,26 @@ def test_ssd_writes_never_exceed_the_budget(ops: list[tuple[float, int, int]],
         store.close()
 
 
-def test_eviction_is_atomic_with_every_policy() -> None:
+def test_eviction_takes_exactly_what_is_needed_with_every_policy() -> None:
     for factory in (LRUEviction, ARCEviction, CostAwareEviction):
         clock = Clock()
         store, _, _ = make_store(4, 4, 0.0, clock, eviction=factory)
         try:
             replay(store, [[1, 2, 3, 4]])
-            assert store.pin([key(i) for i in (1, 2, 3)]) == 3
-            # Needs 2 free host slots; only one chunk is evictable: nothing may move.
+            assert store.pin([key(i) for i in (1, 2, 3, 4)]) == 4
+            # Nothing evictable: the put changes nothing.
             res = store.put([key(10), key(11)], np.zeros(2 * VALUE, dtype=np.uint8)).result()
             assert res.stored == 0
-            lr = store.lookup([key(i) for i in (1, 2, 3, 4)])
-            assert lr.hits == 4 and set(lr.tiers) == {"host"}
             st_ = store.stats()
             assert st_.demoted_chunks == 0 and st_.dropped_chunks == 0
+            store.unpin([key(4)])
+            # One evictable chunk: exactly one leaves, for the one new chunk that fits.
+            res = store.put([key(10), key(11)], np.zeros(2 * VALUE, dtype=np.uint8)).result()
+            store.drain()
+            st_ = store.stats()
+            assert res.stored == 1
+            assert st_.demoted_chunks + st_.dropped_chunks == 1
+            assert store.lookup([key(i) for i in (1, 2, 3)]).tiers == ("host",) * 3
         finally:
             store.close()
 
