@@ -72,8 +72,12 @@ class StoreConfig:
     io_threads: int = 4
     # On a hit in a lower tier, copy the chunk back into the top tier.
     promote_on_hit: bool = True
-    # Eviction order of every tier: "lru" in the core; kvtier.policies adds more.
+    # Eviction order of every tier: "lru" in the core; kvtier.policies adds "arc", "cost".
     eviction: str = "lru"
+    # What is admitted and where victims go: "keep" (write everything, demote tier by
+    # tier: the peers' write-through) or "cost" (kvtier.policies' latency-cost model with
+    # an SSD write budget; see docs/cost-model.md).
+    placement: str = "cost"
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 from kvtier.config import KVTierConfig, ModelConfig, TierSection
 from kvtier.keys import ChunkHasher, Namespace
 from kvtier.spec import KVSpec, preset
-from kvtier.store.policy import PlacementPolicy, eviction_factory
+from kvtier.store.policy import PlacementPolicy, eviction_factory, placement_factory
 from kvtier.store.store import TieredStore
 from kvtier.tiers.base import Tier
 from kvtier.tiers.registry import create_tier
@@ -65,7 +65,7 @@ def build_store(
     Args:
         spec: the KV geometry; defaults to ``cfg.model``.
         chunk_bytes: slot size; defaults to the spec's bytes per chunk.
-        placement: admission/demotion policy; default keeps everything.
+        placement: admission/demotion policy; default: ``store.placement`` of ``cfg``.
         tenant: namespace salt for the hasher.
     """
     spec = spec or spec_from_model(cfg.model)
@@ -78,6 +78,15 @@ def build_store(
         for t in tiers:
             t.close()
         raise
+    if placement is None:
+        try:
+            placement = placement_factory(cfg.store.placement)(
+                tiers, spec, cfg.store.chunk_tokens
+            )
+        except BaseException:
+            for t in tiers:
+                t.close()
+            raise
     store = TieredStore(
         tiers,
         eviction=eviction_factory(cfg.store.eviction),

@@ -97,8 +97,29 @@ class WriteThrough(PlacementPolicy):
 
 
 EvictionFactory = Callable[[], EvictionPolicy]
+PlacementFactory = Callable[..., PlacementPolicy]
+"""Builds a placement from ``(tiers, spec, chunk_tokens)`` of the store it will drive."""
 
 BUILTIN_EVICTION: dict[str, str] = {"lru": "kvtier.store.policy:LRUEviction"}
+
+
+def _keep(*_args: object) -> PlacementPolicy:
+    return WriteThrough()
+
+
+def placement_factory(name: str) -> PlacementFactory:
+    """Resolve a placement by name: ``keep``, then the ``kvtier.placement`` entry points."""
+    if name == "keep":
+        return _keep
+    for ep in entry_points(group="kvtier.placement"):
+        if ep.name == name:
+            try:
+                factory: PlacementFactory = ep.load()
+            except (ImportError, AttributeError) as exc:
+                raise PluginError(f"placement {name!r} ({ep.value}) cannot be loaded: {exc}") from exc
+            return factory
+    names = ["keep", *(ep.name for ep in entry_points(group="kvtier.placement"))]
+    raise ConfigError("store.placement", name, f"one of {sorted(names)}")
 
 
 def eviction_factory(name: str) -> EvictionFactory:
