@@ -104,7 +104,7 @@ def churn(
         def alloc(n: int) -> object | None:
             if not strict:
                 return buddy.allocate_run(n)
-            got = []
+            got: list[Any] = []
             for order in decompose(n, buddy.max_order):
                 e = buddy.allocate(order)
                 if e is None:
@@ -173,24 +173,27 @@ def churn(
     }
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+def plot(lengths: list[int], max_order: int, path: Path) -> None:
+    """Mean internal fragmentation per context-length bin of the trace prompts."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    edges = [2**k for k in range(9, 18)]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for scheme in ["adaptive"] + [f"fixed-{p}" for p in FIXED_PAGES]:
-        pts = sorted(
-            (r["context_tokens"], r["internal_frag"] * 100)
-            for r in rows
-            if r["scheme"] == scheme and isinstance(r["context_tokens"], int)
-        )
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=scheme)
+        xs, ys = [], []
+        for lo, hi in zip(edges, edges[1:], strict=False):
+            sel = [n for n in lengths if lo <= n < hi]
+            if sel:
+                xs.append((lo * hi) ** 0.5)
+                ys.append(scheme_row(scheme, sel, max_order)["internal_frag"] * 100)
+        ax.plot(xs, ys, marker="o", label=scheme)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("internal fragmentation (%)")
-    ax.set_title("Internal fragmentation by context length")
+    ax.set_xlabel("prompt length bin (tokens), Mooncake conversation + synthetic traces")
+    ax.set_ylabel("mean internal fragmentation (%)")
+    ax.set_title("Internal fragmentation against context length")
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -262,7 +265,7 @@ def main(argv: list[str]) -> int:
         )
     print("\ntargets:", ", ".join(f"{k}={'PASS' if v else 'MISS'}" for k, v in checks.items()))
     if args.plot:
-        plot(rows, args.plot)
+        plot(lengths, max_order, args.plot)
     write_json(
         args.json,
         envelope("fragmentation", rows, churn=churn_rows, targets=checks, max_extent_chunks=1 << max_order),
