@@ -20,8 +20,6 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm")
-
 BLOCK = 32
 CHUNK = 64  # two blocks per chunk, so prompts of a few hundred tokens have several chunks
 # Host tier of 2 MiB: 32 chunks of 64 KiB (2 layers x 2 blocks x 16 KiB) = 2048 tokens.

@@ -11,6 +11,8 @@ import pytest
 
 from tests.connectors.conftest import CHUNK, CHUNK_BYTES, HOST_BYTES, Engine, prompt
 
+pytest.importorskip("vllm")
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 

@@ -26,33 +26,49 @@ from kvtier.spec import KVSpec  # noqa: E402
 NB, H, N, HS = 9, 2, 32, 64  # blocks, kv heads, block size, head size
 
 
-def lbhnc(layers: int) -> list[torch.Tensor]:
+def lbhnc(layers: int, device: str = "cpu") -> list[torch.Tensor]:
     """CPU backend: one storage, per layer [blocks, heads, block_size, 2*head_size]."""
-    whole = torch.randn(layers, NB, H, N, 2 * HS).to(torch.bfloat16)
+    whole = torch.randn(layers, NB, H, N, 2 * HS).to(torch.bfloat16).to(device)
     return [whole[i] for i in range(layers)]
 
 
-def lbnhc(layers: int) -> list[torch.Tensor]:
+def lbnhc(layers: int, device: str = "cpu") -> list[torch.Tensor]:
     """CUDA FlashAttention default: physical [blocks, block_size, heads, C], logical BHNC."""
-    whole = torch.randn(layers, NB, N, H, 2 * HS).to(torch.bfloat16)
+    whole = torch.randn(layers, NB, N, H, 2 * HS).to(torch.bfloat16).to(device)
     return [whole[i].transpose(1, 2) for i in range(layers)]
 
 
-def lhbnc(layers: int) -> list[torch.Tensor]:
+def lhbnc(layers: int, device: str = "cpu") -> list[torch.Tensor]:
     """A layout that splits a block across heads: the mover's logical fallback."""
-    whole = torch.randn(layers, H, NB, N, 2 * HS).to(torch.bfloat16)
+    whole = torch.randn(layers, H, NB, N, 2 * HS).to(torch.bfloat16).to(device)
     return [whole[i].transpose(0, 1) for i in range(layers)]
 
 
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("make", [lbhnc, lbnhc, lhbnc])
-def test_gather_then_scatter_moves_whole_blocks(make) -> None:
-    src = make(3)
+def test_gather_then_scatter_moves_whole_blocks(make, device) -> None:
+    src = make(3, device)
     dst = [torch.zeros_like(t) for t in src]
     mover_src, mover_dst = TorchBlockMover(src), TorchBlockMover(dst)
     blocks_out, blocks_in = [5, 2, 7], [1, 8, 3]
 
-    staging = mover_src.gather(blocks_out)
+    staging = mover_src.gather(blocks_out, mover_src.mark())
+    assert staging.device.type == "cpu"
     mover_dst.scatter(staging, blocks_in)
+    if device == "cuda":
+        torch.cuda.synchronize()
 
     assert staging.shape == (3, 3, H * N * 2 * HS * 2)
     for s, d in zip(src, dst, strict=True):
@@ -145,6 +161,7 @@ def test_mirror_is_bounded_lru() -> None:
 
 
 def test_mla_models_are_refused() -> None:
+    pytest.importorskip("vllm")
     from kvtier.connectors.vllm.connector import spec_from_vllm
 
     cfg = SimpleNamespace(model_config=SimpleNamespace(use_mla=True, model="deepseek"))

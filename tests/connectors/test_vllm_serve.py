@@ -28,6 +28,8 @@ import pytest
 
 from tests.connectors.conftest import BLOCK, CHUNK, kv_transfer_config, prompt
 
+pytest.importorskip("vllm")
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 START_TIMEOUT_S = 300
