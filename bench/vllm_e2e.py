@@ -46,10 +46,18 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model-dir", default=None, help="where to write the model (default: tmp)")
     p.add_argument(
         "--source",
-        choices=("kvtier", "prefix-cache"),
+        choices=("kvtier", "prefix-cache", "example"),
         default="kvtier",
         help="where the hit comes from: kvtier (prefix cache off), or vLLM's own prefix cache "
-        "(no connector): the in-memory best case, and a control for numerical noise",
+        "(no connector): the in-memory best case, and a control for numerical noise; or "
+        "vLLM's ExampleConnector (safetensors files on disk, under a temporary folder)",
+    )
+    p.add_argument(
+        "--gap-s",
+        type=float,
+        default=0.0,
+        help="pause between the miss and the hit (0: back to back, the hit waits for the "
+        "miss's saves to land; > 0: the hit measures the load alone)",
     )
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
@@ -87,6 +95,16 @@ def main(argv: list[str]) -> int:
             },
         }
     }
+    if a.source == "example":
+        connector_cfg = {
+            "kv_transfer_config": {
+                "kv_connector": "ExampleConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "shared_storage_path": tempfile.mkdtemp(prefix="kvtier-bench-example-")
+                },
+            }
+        }
     llm = LLM(
         model=str(model),
         load_format="safetensors",
@@ -95,11 +113,11 @@ def main(argv: list[str]) -> int:
         max_model_len=a.tokens + 64,
         max_num_batched_tokens=a.tokens + 64,
         max_num_seqs=2,
-        enable_prefix_caching=not kvtier,
+        enable_prefix_caching=a.source == "prefix-cache",
         seed=0,
         enforce_eager=True,
         dtype=a.dtype,
-        **(connector_cfg if kvtier else {}),
+        **(connector_cfg if a.source != "prefix-cache" else {}),
     )
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     rng = random.Random(0)
@@ -123,6 +141,8 @@ def main(argv: list[str]) -> int:
         tokens = [rng.randrange(3, geo.vocab) for _ in range(a.tokens)]
         salt = f"bench-{i}-{rng.random()}"
         t_miss, c_miss, tok_miss, lp_miss = run(tokens, salt)
+        if a.gap_s > 0:
+            time.sleep(a.gap_s)
         t_hit, c_hit, tok_hit, lp_hit = run(tokens, salt)
         if i < a.warmup:
             continue
@@ -151,7 +171,7 @@ def main(argv: list[str]) -> int:
     row: dict[str, Any] = {
         "scenario": f"same prompt twice, fresh salt per repeat; hit from {a.source}",
         "prompt_tokens": a.tokens,
-        "tier": "host" if kvtier else "vllm-prefix-cache",
+        "tier": {"kvtier": "host", "prefix-cache": "vllm-prefix-cache"}.get(a.source, "disk"),
         "ttft_s": med_hit,
         "ttft_min_s": min(hit_s),
         "ttft_max_s": max(hit_s),
@@ -168,6 +188,8 @@ def main(argv: list[str]) -> int:
         "identical_first_tokens": f"{same_tokens}/{a.repeat}",
         "max_abs_dlogprob_top5": max_dlogprob,
         "dtype": a.dtype,
+        "chunk_tokens": a.chunk_tokens if a.source == "kvtier" else None,
+        "gap_s": a.gap_s,
     }
     print(
         f"{a.tokens}-token prompt: hit {med_hit:.3f}s vs recompute {med_miss:.3f}s -> "
