@@ -1,0 +1,90 @@
+"""A small Llama with random (not dummy) weights, written to a folder vLLM can load.
+
+``load_format="dummy"`` gives near-uniform logits, so greedy outputs cannot tell correct
+KV from wrong KV. These weights are N(0, 1/fan_in)-scaled, so logits are sharp and a
+wrong KV block changes the output (the negative control in docs/connector.md).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class TinyLlama:
+    """Geometry of the model. ``head_dim`` must be one the CPU attention backend takes."""
+
+    layers: int = 2
+    hidden: int = 256
+    intermediate: int = 512
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    vocab: int = 1024
+    max_positions: int = 8192
+    seed: int = 1234
+
+
+def write_tiny_llama(folder: str | Path, geo: TinyLlama = TinyLlama()) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (bf16) into ``folder``; returns it.
+
+    Reuses the folder when it already holds this geometry.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": geo.hidden,
+        "intermediate_size": geo.intermediate,
+        "num_hidden_layers": geo.layers,
+        "num_attention_heads": geo.heads,
+        "num_key_value_heads": geo.kv_heads,
+        "head_dim": geo.head_dim,
+        "vocab_size": geo.vocab,
+        "max_position_embeddings": geo.max_positions,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "kvtier_geometry": asdict(geo),
+    }
+    cfg_path = out / "config.json"
+    weights = out / "model.safetensors"
+    if cfg_path.exists() and weights.exists() and json.loads(cfg_path.read_text()) == cfg:
+        return out
+    cfg_path.write_text(json.dumps(cfg, indent=1))
+    g = torch.Generator().manual_seed(geo.seed)
+    h, inter, v = geo.hidden, geo.intermediate, geo.vocab
+    nh, nkv, hd = geo.heads, geo.kv_heads, geo.head_dim
+
+    def w(o: int, i: int, scale: float = 1.0) -> torch.Tensor:
+        t: torch.Tensor = (torch.randn(o, i, generator=g) * scale / i**0.5).to(torch.bfloat16)
+        return t
+
+    sd = {
+        "model.embed_tokens.weight": torch.randn(v, h, generator=g).to(torch.bfloat16),
+        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+        "lm_head.weight": w(v, h, 4.0),
+    }
+    for layer in range(geo.layers):
+        p = f"model.layers.{layer}."
+        sd[p + "self_attn.q_proj.weight"] = w(nh * hd, h, 2.0)
+        sd[p + "self_attn.k_proj.weight"] = w(nkv * hd, h, 2.0)
+        sd[p + "self_attn.v_proj.weight"] = w(nkv * hd, h)
+        sd[p + "self_attn.o_proj.weight"] = w(h, nh * hd)
+        sd[p + "mlp.gate_proj.weight"] = w(inter, h)
+        sd[p + "mlp.up_proj.weight"] = w(inter, h)
+        sd[p + "mlp.down_proj.weight"] = w(h, inter)
+        sd[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        sd[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    save_file(sd, str(weights))
+    return out

@@ -1,0 +1,5 @@
+"""``kvtier bench vllm``: the name the issue uses for :mod:`kvtier.bench.vllm_e2e`."""
+
+from kvtier.bench.vllm_e2e import main
+
+__all__ = ["main"]

@@ -1,0 +1,252 @@
+"""``KVTierConnector``: kvtier as a vLLM 0.32 KV connector (``KVConnectorBase_V1``).
+
+Enable it with::
+
+    kv_transfer_config={
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"config_file": "kvtier.toml", "store.chunk_tokens": 256},
+    }
+
+vLLM builds this class twice, in different processes: with the SCHEDULER role in the
+EngineCore (a :class:`SchedulerSide`) and with the WORKER role in each worker (a
+:class:`WorkerSide`). Every method delegates to the one its role built.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from typing_extensions import override
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.errors import SpecError
+from kvtier.spec import DType, KVSpec
+
+from .metadata import KVTierConnectorStats, KVTierMetadata, KVTierWorkerMeta
+from .scheduler import SchedulerSide
+from .settings import (
+    KeyScheme,
+    check_chunk_tokens,
+    config_from_extra,
+    mirror_capacity,
+)
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+def spec_from_vllm(vllm_config: VllmConfig, tp_rank: int = 0) -> KVSpec:
+    """This engine's KV geometry as a kvtier spec (whole model, one TP rank).
+
+    Raises:
+        SpecError: MLA models (a later issue), or a cache dtype kvtier cannot name.
+    """
+    mc = vllm_config.model_config
+    if mc.use_mla:
+        raise SpecError(
+            f"kvtier's vLLM connector does not support MLA models yet ({mc.model} uses multi-head "
+            "latent attention); run without kv_transfer_config, or use a non-MLA model"
+        )
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    dtype_name = str(mc.dtype) if cache_dtype == "auto" else str(cache_dtype)
+    pc = vllm_config.parallel_config
+    return KVSpec(
+        num_layers=int(mc.hf_text_config.num_hidden_layers),
+        num_kv_heads=mc.get_total_num_kv_heads(),
+        head_size=mc.get_head_size(),
+        dtype=DType.parse(dtype_name),
+        tp_rank=tp_rank,
+        tp_size=pc.tensor_parallel_size,
+    )
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    """kvtier's tiered KV cache behind vLLM's connector API (best effort: a miss recomputes).
+
+    Args:
+        vllm_config: the engine's configuration.
+        role: SCHEDULER (EngineCore process) or WORKER (each worker process).
+        kv_cache_config: vLLM's KV cache layout; one KV-cache group is supported.
+
+    Raises:
+        ConfigError: bad kvtier settings in ``kv_connector_extra_config``.
+        SpecError: an MLA model or several KV-cache groups.
+    """
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = self._kv_transfer_config
+        self.cfg = config_from_extra(ktc.kv_connector_extra_config or {})
+        block_size = int(vllm_config.cache_config.block_size)
+        check_chunk_tokens(self.cfg.store.chunk_tokens, block_size)
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            raise SpecError(
+                "kvtier's vLLM connector supports one KV-cache group (plain attention models); "
+                f"this model has {len(kv_cache_config.kv_cache_groups)}"
+            )
+        spec = spec_from_vllm(vllm_config)
+        if ktc.kv_load_failure_policy == "fail":
+            # kvtier is a cache: a chunk that fails to load is a miss, recomputed, never a
+            # failed request. vLLM reads the policy right after building the connector.
+            ktc.kv_load_failure_policy = "recompute"
+            log.info("kvtier: kv_load_failure_policy set to 'recompute' (a failed load is a miss)")
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            scheme = KeyScheme(
+                str(vllm_config.model_config.model), spec, self.cfg.store.chunk_tokens
+            )
+            per_rank = replace(spec, tp_rank=0)
+            self._sched = SchedulerSide(
+                scheme,
+                block_size,
+                world_size=vllm_config.parallel_config.world_size,
+                mirror_capacity=mirror_capacity(
+                    self.cfg, per_rank.chunk_bytes(self.cfg.store.chunk_tokens)
+                ),
+            )
+        else:
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+            rank_spec = replace(spec, tp_rank=get_tensor_model_parallel_rank())
+            self._worker = WorkerSide(self.cfg, rank_spec, get_pp_group().rank_in_group, block_size)
+
+    # -- helpers --------------------------------------------------------------------------
+
+    @property
+    def sched(self) -> SchedulerSide:
+        assert self._sched is not None, "scheduler-side method called on a worker connector"
+        return self._sched
+
+    @property
+    def worker(self) -> WorkerSide:
+        """This rank's worker side: its store (``worker.store``) and mover."""
+        assert self._worker is not None, "worker-side method called on a scheduler connector"
+        return self._worker
+
+    def _meta(self) -> KVTierMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata)
+        return meta
+
+    @property
+    @override
+    def requires_kv_delivery(self) -> bool:
+        return False  # best-effort cache: a dropped save is a future miss
+
+    # -- worker side ----------------------------------------------------------------------
+
+    @override
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    @override
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, KVTierMetadata):
+            self.worker.handle_preemptions(kv_connector_metadata)
+
+    @override
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.worker.start_load_kv(self._meta())
+
+    @override
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv, before the forward
+
+    @override
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # whole chunks are saved after the forward, off the step (wait_for_save)
+
+    @override
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save(self._meta())
+
+    @override
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker.get_finished(finished_req_ids), None
+
+    @override
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    @override
+    def build_connector_worker_meta(self) -> KVTierWorkerMeta | None:
+        return self.worker.build_worker_meta()
+
+    @override
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self._worker if self._worker is not None else self._sched
+        assert side is not None
+        return side.take_stats()
+
+    @classmethod
+    @override
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return KVTierConnectorStats.from_data(data)
+
+    @override
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # -- scheduler side -------------------------------------------------------------------
+
+    @override
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    @override
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    @override
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.sched.build_connector_meta(scheduler_output)
+
+    @override
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        self.sched.update_connector_output(meta if isinstance(meta, KVTierWorkerMeta) else None)
+
+    @override
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.sched.request_finished(request)

@@ -1,0 +1,212 @@
+"""Moving whole KV blocks between vLLM's paged cache and a contiguous staging buffer.
+
+The connector never copies one block at a time: a save gathers every block of a batch
+of chunks with one ``index_select`` per layer into a staging tensor, and the store
+then takes that tensor with one copy; a load does the reverse with one ``index_copy_``
+per layer. :class:`BlockMover` is the seam where a device-specific transfer engine
+(the CUDA one in ``kvtier.transfer``) plugs in; :class:`TorchBlockMover` is the portable
+implementation, correct on CPU and CUDA tensors alike.
+
+Staging layout: ``[n_blocks, n_layers, page_bytes]`` uint8, block-major. One chunk of
+``b`` blocks is therefore ``b * n_layers * page_bytes`` consecutive bytes, which is
+what the store needs (each key's value packed), and ``staging[:, layer]`` is a 2-D
+strided view that ``index_select(out=...)``/``index_copy_`` accept directly, so there
+is no second copy to re-order layers.
+
+A *page* is one block of one layer. vLLM keeps dim 0 of every per-layer tensor as the
+block index. When the other dims of a layer are dense in memory (LBHNC on CPU,
+LBNHC/LBHNC on CUDA: ``KVCacheLayout.is_block_compact``), a page is one contiguous
+byte run and is copied as raw bytes, whatever the order inside it. Otherwise (layouts
+that split a block across heads) the mover falls back to the logical view, which is
+slower but still correct.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+from typing_extensions import override
+
+from kvtier.errors import SpecError
+
+
+def page_view(t: torch.Tensor) -> torch.Tensor | None:
+    """A ``[num_blocks, page_bytes]`` uint8 view of a per-layer KV tensor, or None.
+
+    None when one block of the layer is not a single dense byte run (the caller then
+    uses the logical view).
+    """
+    if t.dim() < 2:
+        return None
+    dims = sorted((st, sz) for sz, st in zip(t.shape[1:], t.stride()[1:], strict=True) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return None
+        expected *= sz
+    es = t.element_size()
+    page = math.prod(t.shape[1:]) * es
+    view = torch.empty(0, dtype=torch.uint8, device=t.device)
+    view.set_(
+        t.untyped_storage(), t.storage_offset() * es, (t.shape[0], page), (t.stride(0) * es, 1)
+    )
+    return view
+
+
+def layout_tag(t: torch.Tensor) -> str:
+    """Names the byte order inside a page, so KV of two layouts never share a key."""
+    if page_view(t) is None:
+        return "logical"
+    strides = t.stride()
+    order = sorted(range(1, t.dim()), key=lambda d: -strides[d])
+    return "page-" + "".join(str(d) for d in order)
+
+
+class BlockMover(ABC):
+    """Gathers blocks out of, and scatters them into, a worker's paged KV tensors.
+
+    Implementations are used from two threads: ``scatter`` and ``mark`` from the engine
+    thread, ``gather`` from the connector's save thread. ``gather`` must only read
+    blocks; the connector guarantees they are not rewritten until it returns.
+
+    Attributes:
+        num_layers: layers (tensors) moved per block.
+        page_bytes: bytes of one block of one layer.
+    """
+
+    num_layers: int
+    page_bytes: int
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers: one row of the staging buffer."""
+        return self.num_layers * self.page_bytes
+
+    def mark(self) -> object | None:
+        """Called on the engine thread after the step's forward; the token goes to gather.
+
+        A device implementation records an event here so that ``gather`` (on another
+        thread and stream) waits for the step's writes. The CPU needs nothing.
+        """
+        return None
+
+    @abstractmethod
+    def gather(self, block_ids: Sequence[int], after: object | None = None) -> torch.Tensor:
+        """Copy blocks into a new host staging tensor ``[len(block_ids), L, page]`` uint8.
+
+        Args:
+            block_ids: blocks to copy, in staging order.
+            after: the token :meth:`mark` returned; the copy starts after that point.
+
+        Returns:
+            A C-contiguous CPU tensor the caller owns.
+        """
+
+    @abstractmethod
+    def scatter(self, staging: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Copy staging rows into blocks (row i into ``block_ids[i]``), synchronously.
+
+        When this returns, the bytes are in place for the next kernel on the engine's
+        stream.
+        """
+
+    def host_buffer(self, n_blocks: int) -> torch.Tensor:
+        """A host staging tensor for ``n_blocks`` blocks (pinned where that helps)."""
+        return torch.empty((n_blocks, self.num_layers, self.page_bytes), dtype=torch.uint8)
+
+
+class TorchBlockMover(BlockMover):
+    """Portable mover: one ``index_select``/``index_copy_`` per layer, CPU or CUDA.
+
+    On CUDA the gather runs on a side stream, into device staging, then one copy to
+    pinned host memory; the scatter copies host staging to the device once, then one
+    ``index_copy_`` per layer on the current stream. (The performance work on CUDA has
+    its own engine; this one is for correctness on both device types.)
+
+    Args:
+        layers: vLLM's per-layer KV tensors, in a fixed layer order.
+
+    Raises:
+        SpecError: layers of unequal page size or on different devices.
+    """
+
+    def __init__(self, layers: Sequence[torch.Tensor]) -> None:
+        if not layers:
+            raise SpecError("no KV cache tensors were registered")
+        self.device = layers[0].device
+        pages = {math.prod(t.shape[1:]) * t.element_size() for t in layers}
+        if len(pages) != 1 or any(t.device != self.device for t in layers):
+            devices = sorted({str(t.device) for t in layers})
+            raise SpecError(
+                "kvtier needs every attention layer to have the same block size in bytes on one "
+                f"device; got page sizes {sorted(pages)} on {devices}"
+            )
+        self.layers = list(layers)
+        self.views = [page_view(t) for t in layers]
+        self.num_layers = len(layers)
+        self.page_bytes = pages.pop()
+        self.layout = layout_tag(layers[0])
+        self.on_cuda = self.device.type == "cuda"
+        self._stream: torch.cuda.Stream | None = None
+        if self.on_cuda:
+            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+
+    @override
+    def mark(self) -> object | None:
+        if not self.on_cuda:
+            return None
+        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ev.record()
+        return ev
+
+    @override
+    def host_buffer(self, n_blocks: int) -> torch.Tensor:
+        return torch.empty(
+            (n_blocks, self.num_layers, self.page_bytes), dtype=torch.uint8, pin_memory=self.on_cuda
+        )
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+
+    def _gather_into(self, out: torch.Tensor, idx: torch.Tensor) -> None:
+        for layer, (t, view) in enumerate(zip(self.layers, self.views, strict=True)):
+            if view is not None:
+                torch.index_select(view, 0, idx, out=out[:, layer])
+            else:
+                rows = t.index_select(0, idx).contiguous().view(torch.uint8)
+                out[:, layer].copy_(rows.reshape(len(idx), self.page_bytes))
+
+    @override
+    def gather(self, block_ids: Sequence[int], after: object | None = None) -> torch.Tensor:
+        host = self.host_buffer(len(block_ids))
+        if not block_ids:
+            return host
+        if self._stream is None:
+            self._gather_into(host, self._index(block_ids))
+            return host
+        with torch.cuda.stream(self._stream):
+            if isinstance(after, torch.cuda.Event):
+                self._stream.wait_event(after)
+            idx = self._index(block_ids)
+            dev = torch.empty(host.shape, dtype=torch.uint8, device=self.device)
+            self._gather_into(dev, idx)
+            host.copy_(dev, non_blocking=True)
+        self._stream.synchronize()
+        return host
+
+    @override
+    def scatter(self, staging: torch.Tensor, block_ids: Sequence[int]) -> None:
+        if not block_ids:
+            return
+        idx = self._index(block_ids)
+        src = staging.to(self.device, non_blocking=True) if self.on_cuda else staging
+        for layer, (t, view) in enumerate(zip(self.layers, self.views, strict=True)):
+            rows = src[:, layer]
+            if view is not None:
+                view.index_copy_(0, idx, rows)
+            else:
+                logical = rows.contiguous().view(t.dtype).reshape(len(idx), *t.shape[1:])
+                t.index_copy_(0, idx, logical)

@@ -1,0 +1,298 @@
+"""The scheduler side of the connector (lives in vLLM's EngineCore process).
+
+It owns no bytes. It keeps a *mirror*: the set of logical chunk keys that every worker
+has confirmed stored (learned from :class:`KVTierWorkerMeta`), bounded LRU, and
+answers ``get_num_new_matched_tokens`` from it with no I/O and no side effect on the
+store. It plans loads and saves and ships them to the workers in
+:class:`KVTierMetadata`. See docs/architecture.md, "vLLM connector", for why the index
+is split this way.
+
+Threading: vLLM calls every method on the EngineCore's scheduler thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .metadata import (
+    KVTierConnectorStats,
+    KVTierMetadata,
+    KVTierWorkerMeta,
+    LoadOp,
+    SaveOp,
+)
+from .settings import KeyScheme, request_extra
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Req:
+    """What the scheduler side tracks for one request between allocation and finish."""
+
+    request: Request
+    block_ids: list[int]
+    keys: list[bytes] = field(default_factory=list)  # logical keys of full chunks hashed so far
+    extra: bytes = b""
+    next_chunk: int = 0  # chunks [0, next_chunk) are loaded, saved or planned
+    had_saves: bool = False
+
+
+class KeyMirror:
+    """Logical keys every worker has stored, bounded LRU. Over-approximates the store.
+
+    Args:
+        capacity: most keys listed; the oldest fall out first.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, key: bytes) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+
+    def touch(self, keys: list[bytes]) -> None:
+        for k in keys:
+            if k in self._keys:
+                self._keys.move_to_end(k)
+
+    def discard(self, key: bytes) -> None:
+        self._keys.pop(key, None)
+
+
+def matched_chunks(
+    keys: list[bytes],
+    num_tokens: int,
+    chunk_tokens: int,
+    mirror: KeyMirror,
+    pending: dict[bytes, Any],
+) -> int | None:
+    """Leading chunks of ``keys`` that can be loaded, or None to ask again later.
+
+    At most ``(num_tokens - 1) // chunk_tokens`` chunks: vLLM must compute at least one
+    token to sample from. None when the first chunk not yet stored is being saved right
+    now (its confirmation arrives within a step or two; waiting beats recomputing).
+    """
+    limit = (num_tokens - 1) // chunk_tokens
+    n = 0
+    for key in keys[:limit]:
+        if key not in mirror:
+            return None if key in pending else n
+        n += 1
+    return n
+
+
+class SchedulerSide:
+    """Lookup, load and save planning for vLLM's scheduler.
+
+    Args:
+        scheme: the key scheme (model, spec, chunk size).
+        block_size: vLLM's block size, in tokens.
+        world_size: workers that each hold their own store (TP x PP); a key is loadable
+            once all of them confirmed it.
+        mirror_capacity: most keys the mirror lists.
+    """
+
+    def __init__(
+        self, scheme: KeyScheme, block_size: int, world_size: int, mirror_capacity: int
+    ) -> None:
+        self.scheme = scheme
+        self.hasher = scheme.hasher()
+        self.chunk_tokens = scheme.chunk_tokens
+        self.block_size = block_size
+        self.blocks_per_chunk = scheme.chunk_tokens // block_size
+        self.world_size = world_size
+        self.mirror = KeyMirror(mirror_capacity)
+        # key -> [ranks confirmed, ranks failed], for saves in flight.
+        self._pending: dict[bytes, list[int]] = {}
+        self._reqs: dict[str, _Req] = {}
+        # req id -> (local prefix-cache hit, chunks matched), from the last lookup.
+        self._lookup: dict[str, tuple[int, int]] = {}
+        # Lookup memo: req id -> (tokens hashed, keys). Hashing is pure, so this only
+        # saves work when vLLM asks again for a request it could not schedule.
+        self._memo: dict[str, tuple[int, list[bytes]]] = {}
+        self._loads: list[LoadOp] = []
+        self.stats = KVTierConnectorStats()
+
+    # -- lookup ---------------------------------------------------------------------------
+
+    def _keys(self, request: Request) -> list[bytes]:
+        n_chunks = (request.num_tokens - 1) // self.chunk_tokens
+        memo = self._memo.get(request.request_id)
+        if memo is not None and memo[0] >= n_chunks:
+            return memo[1]
+        tokens = request.all_token_ids[: n_chunks * self.chunk_tokens]
+        extra = _extra(request)
+        keys: list[bytes] = list(self.hasher.keys(tokens, extra))
+        self._memo[request.request_id] = (n_chunks, keys)
+        return keys
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        keys = self._keys(request)
+        n = matched_chunks(keys, request.num_tokens, self.chunk_tokens, self.mirror, self._pending)
+        if n is None:
+            return None, False
+        self._lookup[request.request_id] = (num_computed_tokens, n)
+        hit = n * self.chunk_tokens - num_computed_tokens
+        # Loads are synchronous (before this step's forward): on a CPU engine the copy
+        # from host memory takes far less than a step, and the request runs at once.
+        return (hit, False) if hit > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        rid = request.request_id
+        block_ids = list(blocks.get_block_ids()[0])
+        st = self._reqs.get(rid)
+        if st is None:
+            st = _Req(request, block_ids, extra=_extra(request))
+            self._reqs[rid] = st
+        else:  # resumed after preemption: the block table is new
+            st.block_ids = block_ids
+        local, _ = self._lookup.pop(rid, (request.num_computed_tokens, 0))
+        self.stats.add("lookups", 1)
+        self.stats.add("lookup_tokens", request.num_tokens)
+        first = local // self.chunk_tokens
+        last = (local + max(0, num_external_tokens)) // self.chunk_tokens
+        # Saving restarts after what is loaded now (or from the start: chunks that are
+        # only in vLLM's prefix cache, or whose save failed before a preemption, are
+        # offered again; chunks already stored are skipped when planned).
+        st.next_chunk = last if num_external_tokens > 0 else 0
+        if num_external_tokens <= 0:
+            return
+        keys = self._keys(request)
+        if len(st.keys) < last:
+            st.keys = keys[:last]  # the same chained keys _plan_saves extends
+        bpc = self.blocks_per_chunk
+        self._loads.append(
+            LoadOp(
+                rid,
+                tuple(keys[first:last]),
+                tuple(block_ids[first * bpc : last * bpc]),
+                local // self.block_size - first * bpc,
+            )
+        )
+        self.mirror.touch(keys[first:last])
+        self.stats.add("hit_tokens", num_external_tokens)
+
+    # -- per step -------------------------------------------------------------------------
+
+    def build_connector_meta(self, so: SchedulerOutput) -> KVTierMetadata:
+        meta = KVTierMetadata(loads=self._loads, preempted=frozenset(so.preempted_req_ids or ()))
+        self._loads = []
+        for new in so.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is not None:
+                st.block_ids = list(new.block_ids[0])
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                st.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids is not None:
+                st.block_ids.extend(new_ids[0])
+        for rid, n_sched in so.num_scheduled_tokens.items():
+            st = self._reqs.get(rid)
+            if st is not None:
+                self._plan_saves(st, n_sched, meta)
+        return meta
+
+    def _plan_saves(self, st: _Req, n_sched: int, meta: KVTierMetadata) -> None:
+        req = st.request
+        C = self.chunk_tokens
+        # num_computed_tokens is not yet advanced: after this step it grows by n_sched.
+        # Speculative tokens are scheduled but not in all_token_ids: cap by those.
+        done = min(req.num_computed_tokens + n_sched, len(req.all_token_ids))
+        n_full = min(done // C, len(st.block_ids) // self.blocks_per_chunk)
+        if n_full <= st.next_chunk:
+            return
+        if len(st.keys) < n_full:
+            parent = st.keys[-1] if st.keys else None
+            tokens = req.all_token_ids[len(st.keys) * C : n_full * C]
+            extra = b"" if parent is not None else st.extra
+            st.keys.extend(self.hasher.keys(tokens, extra, parent))  # type: ignore[arg-type]
+        keys: list[bytes] = []
+        blocks: list[int] = []
+        bpc = self.blocks_per_chunk
+        for i in range(st.next_chunk, n_full):
+            key = st.keys[i]
+            if key in self.mirror or key in self._pending:
+                continue
+            keys.append(key)
+            blocks.extend(st.block_ids[i * bpc : (i + 1) * bpc])
+            self._pending[key] = [0, 0]
+        st.next_chunk = n_full
+        if keys:
+            meta.saves.append(SaveOp(req.request_id, tuple(keys), tuple(blocks)))
+            st.had_saves = True
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Hold the blocks (True) while a save of this request may still read them."""
+        rid = request.request_id
+        st = self._reqs.pop(rid, None)
+        self._lookup.pop(rid, None)
+        self._memo.pop(rid, None)
+        return (st is not None and st.had_saves), None
+
+    def update_connector_output(self, worker_meta: KVTierWorkerMeta | None) -> None:
+        if worker_meta is None:
+            return
+        for key, n in worker_meta.stored.items():
+            self._settle(key, n, 0)
+        for key, n in worker_meta.failed.items():
+            self._settle(key, 0, n)
+        for key in worker_meta.missing:
+            self.mirror.discard(key)
+        if worker_meta.missing:
+            # vLLM recomputes the chunks that failed to load; offer them for saving again.
+            for st in self._reqs.values():
+                for i in range(min(st.next_chunk, len(st.keys))):
+                    if st.keys[i] in worker_meta.missing:
+                        st.next_chunk = i
+                        break
+
+    def _settle(self, key: bytes, ok: int, failed: int) -> None:
+        counts = self._pending.get(key)
+        if counts is None:  # a key saved again after it fell out of the mirror
+            counts = self._pending[key] = [0, 0]
+        counts[0] += ok
+        counts[1] += failed
+        if counts[0] + counts[1] >= self.world_size:
+            del self._pending[key]
+            if counts[1] == 0:
+                self.mirror.add(key)
+
+    def take_stats(self) -> KVTierConnectorStats | None:
+        if self.stats.is_empty():
+            return None
+        out, self.stats = self.stats, KVTierConnectorStats()
+        return out
+
+
+def _extra(request: Request) -> bytes:
+    lora = request.lora_request
+    extra: bytes = request_extra(lora.lora_name if lora is not None else None, request.cache_salt)
+    return extra

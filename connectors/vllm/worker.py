@@ -1,0 +1,241 @@
+"""The worker side of the connector (one per vLLM worker process, i.e. per rank).
+
+It owns this rank's :class:`~kvtier.store.TieredStore` (the host tier is a shared-memory
+arena, ``HostTier.shm_path``, that other processes on the host can map) and moves bytes:
+
+* loads run synchronously in ``start_load_kv``, which vLLM calls before the forward
+  when a step has synchronous loads: ``store.get`` into a host staging buffer, then one
+  scatter per layer. Chunks the store no longer has, or that fail to read, are reported
+  through ``get_block_ids_with_load_errors`` so vLLM recomputes them;
+* saves never run on the engine step: ``wait_for_save`` only queues them. A save
+  thread gathers the blocks (one ``index_select`` per layer into staging) and puts them
+  into the store. A request whose saves are queued keeps its blocks (the scheduler side
+  returned True from ``request_finished``) until ``get_finished`` reports it.
+
+Threading: vLLM calls the public methods on the worker's engine thread; the save thread
+touches only the mover (reads), the store (thread-safe) and the fields under ``_lock``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from kvtier.config import KVTierConfig
+from kvtier.errors import KVTierError
+from kvtier.factory import build_store
+from kvtier.spec import KVSpec
+from kvtier.store.store import TieredStore
+
+from .metadata import (
+    KVTierConnectorStats,
+    KVTierMetadata,
+    KVTierWorkerMeta,
+    LoadOp,
+    SaveOp,
+)
+from .mover import BlockMover, TorchBlockMover
+from .settings import rank_keys, rank_salt
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    """Loads and saves for one rank.
+
+    Args:
+        cfg: the kvtier configuration (tiers, chunk size).
+        spec: this rank's KV spec (its fingerprint holds the TP rank and size).
+        pp_rank: pipeline stage, part of the rank keys.
+        block_size: vLLM's block size, in tokens.
+    """
+
+    def __init__(self, cfg: KVTierConfig, spec: KVSpec, pp_rank: int, block_size: int) -> None:
+        self.cfg = cfg
+        self.spec = spec
+        self.pp_rank = pp_rank
+        self.block_size = block_size
+        self.chunk_tokens = cfg.store.chunk_tokens
+        self.blocks_per_chunk = self.chunk_tokens // block_size
+        self.mover: BlockMover | None = None
+        self.store: TieredStore | None = None
+        self._salt = b""
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-save")
+        self._lock = threading.Condition()
+        self._outstanding: dict[str, int] = defaultdict(int)  # req id -> queued save ops
+        self._finished: set[str] = set()  # finished requests waiting for their saves
+        self._stored: dict[bytes, int] = {}
+        self._failed: dict[bytes, int] = {}
+        self._missing: set[bytes] = set()
+        self._load_errors: set[int] = set()
+        self.stats = KVTierConnectorStats()
+        self._totals: dict[str, float] = {}
+        self._closed = False
+
+    # -- setup ----------------------------------------------------------------------------
+
+    def register_kv_caches(
+        self, kv_caches: dict[str, torch.Tensor], mover: BlockMover | None = None
+    ) -> None:
+        """Build the mover over vLLM's KV tensors and this rank's store.
+
+        Args:
+            kv_caches: layer name -> KV tensor, as vLLM registers them.
+            mover: a device-specific mover; default :class:`TorchBlockMover`.
+        """
+        torch_mover = TorchBlockMover(list(kv_caches.values()))
+        self.mover = mover or torch_mover
+        value_bytes = self.mover.block_bytes * self.blocks_per_chunk
+        self.store = build_store(self.cfg, spec=self.spec, chunk_bytes=value_bytes).store
+        self._salt = rank_salt(self.spec, self.pp_rank, torch_mover.layout)
+        log.info(
+            "kvtier worker: %d layers, %d B per block-layer (%s), chunk %d tokens = %d B; tiers %s",
+            self.mover.num_layers,
+            self.mover.page_bytes,
+            torch_mover.layout,
+            self.chunk_tokens,
+            value_bytes,
+            [f"{t.name}:{t.capacity_bytes}B" for t in self.store.tiers],
+        )
+
+    # -- loads (engine thread, before the forward) -----------------------------------------
+
+    def start_load_kv(self, meta: KVTierMetadata) -> None:
+        for op in meta.loads:
+            self._load(op)
+
+    def _load(self, op: LoadOp) -> None:
+        store, mover = self.store, self.mover
+        assert store is not None and mover is not None
+        t0 = time.perf_counter()
+        n = len(op.keys)
+        bpc = self.blocks_per_chunk
+        staging = mover.host_buffer(n * bpc)
+        good = 0
+        try:
+            res = store.get(rank_keys(self._salt, op.keys), staging.numpy()).result()
+            expected = mover.block_bytes * bpc
+            # A chunk of another length is not this geometry's KV: never scatter it.
+            while good < res.chunks and res.value_bytes[good] == expected:
+                good += 1
+        except KVTierError as exc:
+            log.warning("kvtier load of %d chunks failed; vLLM recomputes them: %s", n, exc)
+        lo, hi = op.skip_blocks, good * bpc
+        if hi > lo:
+            mover.scatter(staging[lo:hi], op.block_ids[lo:hi])
+        with self._lock:
+            if good < n:
+                self._load_errors.update(op.block_ids[max(lo, hi) :])
+                self._missing.update(op.keys[good:])
+                self.stats.add("load_failed_blocks", len(op.block_ids) - max(lo, hi))
+            self.stats.add("load_chunks", good)
+            self.stats.add("load_tokens", max(0, hi - lo) * self.block_size)
+            self.stats.add("load_bytes", good * bpc * mover.block_bytes)
+            self.stats.add("load_s", time.perf_counter() - t0)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    # -- saves (queued on the engine thread, run on the save thread) -------------------------
+
+    def wait_for_save(self, meta: KVTierMetadata) -> None:
+        """Queue this step's saves; returns at once."""
+        if not meta.saves:
+            return
+        assert self.mover is not None
+        token = self.mover.mark()
+        with self._lock:
+            for op in meta.saves:
+                self._outstanding[op.req_id] += 1
+        for op in meta.saves:
+            self._saver.submit(self._save, op, token)
+
+    def _save(self, op: SaveOp, token: object | None) -> None:
+        store, mover = self.store, self.mover
+        assert store is not None and mover is not None
+        t0 = time.perf_counter()
+        ok: list[bytes] = []
+        try:
+            staging = mover.gather(op.block_ids, token)
+            keys = rank_keys(self._salt, op.keys)
+            res = store.put(keys, staging.numpy()).result()
+            if res.stored + res.present == len(keys):
+                ok = list(op.keys)
+            else:  # some were declined: report what the store really holds
+                ok = list(op.keys[: store.lookup(keys).hits])
+        except Exception as exc:  # the save thread must always report; never crash the engine
+            log.warning("kvtier save of %d chunks failed: %s", len(op.keys), exc)
+        dt = time.perf_counter() - t0
+        with self._lock:
+            for k in op.keys:
+                if k in ok:
+                    self._stored[k] = 1
+                else:
+                    self._failed[k] = 1
+            self._outstanding[op.req_id] -= 1
+            self.stats.add("save_chunks", len(ok))
+            self.stats.add("save_tokens", len(ok) * self.chunk_tokens)
+            self.stats.add("save_bytes", len(ok) * self.blocks_per_chunk * mover.block_bytes)
+            self.stats.add("save_failed_chunks", len(op.keys) - len(ok))
+            self.stats.add("save_s", dt)
+            self._lock.notify_all()
+
+    def handle_preemptions(self, meta: KVTierMetadata) -> None:
+        """Finish the saves of preempted requests before their blocks are reused."""
+        if not meta.preempted:
+            return
+        with self._lock:
+            self._lock.wait_for(
+                lambda: all(self._outstanding.get(r, 0) == 0 for r in meta.preempted)
+            )
+
+    def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
+        """Finished requests whose blocks may now be freed (their saves are done)."""
+        with self._lock:
+            self._finished.update(r for r in finished_req_ids if r in self._outstanding)
+            done = {r for r in self._finished if self._outstanding[r] == 0}
+            for r in done:
+                self._finished.discard(r)
+                del self._outstanding[r]
+        return done or None
+
+    def build_worker_meta(self) -> KVTierWorkerMeta | None:
+        with self._lock:
+            meta = KVTierWorkerMeta(self._stored, self._failed, self._missing)
+            self._stored, self._failed, self._missing = {}, {}, set()
+        return None if meta.is_empty() else meta
+
+    def totals(self) -> dict[str, float]:
+        """Counters of :data:`STAT_KEYS` (worker side) since start, for operators and tests."""
+        with self._lock:
+            out = dict(self._totals)
+            for k, v in self.stats.data.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def take_stats(self) -> KVTierConnectorStats | None:
+        """The counters since the last call (vLLM's per-step stats channel)."""
+        with self._lock:
+            if self.stats.is_empty():
+                return None
+            out, self.stats = self.stats, KVTierConnectorStats()
+            for k, v in out.data.items():
+                self._totals[k] = self._totals.get(k, 0) + v
+        if self.store is not None:
+            for t in self.store.stats().tiers:
+                out.data[f"tier_used_bytes.{t.name}"] = t.used_bytes
+        return out
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._saver.shutdown(wait=True)
+        if self.store is not None:
+            self.store.close()

@@ -1,0 +1,125 @@
+"""One real vLLM CPU engine with the kvtier connector, shared by the module's tests.
+
+Engine start is the expensive part (3 s in-process and eager, 40-80 s otherwise, on two
+cores), so the session starts one engine and every scenario uses its own random prompts
+(and cache salts) so that scenarios do not see each other's chunks.
+
+The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the worker-side
+connector is reachable through vLLM's public ``get_kv_transfer_group()`` and tests read
+its counters (``worker.totals()``) and store stats. Both sides still talk only through
+the connector metadata, exactly as in the multi-process engine.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+BLOCK = 32
+CHUNK = 64  # two blocks per chunk, so prompts of a few hundred tokens have several chunks
+# Host tier of 2 MiB: 32 chunks of 64 KiB (2 layers x 2 blocks x 16 KiB) = 2048 tokens.
+HOST_BYTES = 2 << 20
+CHUNK_BYTES = 64 << 10
+
+ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+}
+
+
+def kv_transfer_config(**extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "store.chunk_tokens": CHUNK,
+            "tiers": [{"kind": "host", "capacity_bytes": HOST_BYTES, "prefault": False}],
+            **extra,
+        },
+    }
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    num_cached_tokens: int
+
+
+class Engine:
+    """A started LLM with the connector, and helpers the scenarios share."""
+
+    def __init__(self, llm: Any) -> None:
+        from vllm import SamplingParams
+
+        self.llm = llm
+        self.params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def generate(self, prompt: list[int], cache_salt: str | None = None) -> Run:
+        from vllm.inputs import TokensPrompt
+
+        p = TokensPrompt(prompt_token_ids=prompt)
+        if cache_salt is not None:
+            p["cache_salt"] = cache_salt
+        out = self.llm.generate([p], self.params, use_tqdm=False)[0]
+        return Run(list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0))
+
+    @property
+    def connector(self) -> Any:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        return get_kv_transfer_group()
+
+    def totals(self) -> dict[str, float]:
+        return dict(self.connector.worker.totals())
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(3, 1000) for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from kvtier.bench.tiny_llama import write_tiny_llama
+
+    return str(write_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model: str) -> Iterator[Engine]:
+    saved = {k: os.environ.get(k) for k in ENV}
+    os.environ.update(ENV)
+    from vllm import LLM
+
+    llm = LLM(
+        model=tiny_model,
+        load_format="safetensors",
+        skip_tokenizer_init=True,
+        block_size=BLOCK,
+        max_model_len=4096,
+        max_num_seqs=4,
+        # vLLM's own prefix cache off: every hit in these tests must come from kvtier.
+        enable_prefix_caching=False,
+        seed=0,
+        enforce_eager=True,
+        kv_transfer_config=kv_transfer_config(),
+    )
+    try:
+        yield Engine(llm)
+    finally:
+        shutdown = getattr(llm.llm_engine.engine_core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        del llm
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,98 @@
+"""The kvtier connector on a real vLLM CPU engine: hits, prefixes, salts, failed loads.
+
+Every scenario compares greedy output token ids of a kvtier hit with a recompute of the
+same prompt on the same engine (bit-identical within one engine), and checks from the
+connector's counters that the bytes really came from kvtier.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.connectors.conftest import CHUNK, CHUNK_BYTES, HOST_BYTES, Engine, prompt
+
+pytest.importorskip("vllm")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def test_second_identical_prompt_hits_and_matches(engine: Engine) -> None:
+    p = prompt(1, 300)  # 4 full chunks of 64 tokens + a tail
+    before = engine.totals()
+    first = engine.generate(p)
+    second = engine.generate(p)
+    after = engine.totals()
+
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 4 * CHUNK
+    assert after.get("load_tokens", 0) - before.get("load_tokens", 0) == 4 * CHUNK
+    assert after.get("save_chunks", 0) - before.get("save_chunks", 0) >= 4
+    assert second.tokens == first.tokens
+
+
+def test_shared_prefix_loads_only_the_prefix(engine: Engine) -> None:
+    system = prompt(2, 4 * CHUNK + 10)  # 4 shared full chunks, then the suffixes differ
+    a = system + prompt(3, 150)
+    b = system + prompt(4, 150)
+    engine.generate(a)
+    before = engine.totals()
+    hit = engine.generate(b)
+    loaded = engine.totals().get("load_tokens", 0) - before.get("load_tokens", 0)
+    # Same tokens, salted: a miss on the same engine, i.e. the recompute reference.
+    recompute = engine.generate(b, cache_salt="reference")
+
+    assert hit.num_cached_tokens == 4 * CHUNK
+    assert loaded == 4 * CHUNK
+    assert recompute.num_cached_tokens == 0
+    assert hit.tokens == recompute.tokens
+
+
+def test_cache_salt_separates_tenants(engine: Engine) -> None:
+    p = prompt(5, 260)
+    plain = engine.generate(p)
+    salted = engine.generate(p, cache_salt="tenant-a")
+    salted_again = engine.generate(p, cache_salt="tenant-a")
+    other = engine.generate(p, cache_salt="tenant-b")
+
+    assert plain.num_cached_tokens == 0
+    assert salted.num_cached_tokens == 0  # no cross-salt hit on plain's chunks
+    assert salted_again.num_cached_tokens == 4 * CHUNK  # the salt's own chunks do hit
+    assert other.num_cached_tokens == 0
+    assert plain.tokens == salted.tokens == salted_again.tokens == other.tokens
+
+
+def test_failed_load_is_recomputed(engine: Engine) -> None:
+    """A chunk evicted from the store while the scheduler still lists it: vLLM recomputes.
+
+    The scheduler side's mirror learns of evictions lazily (docs/architecture.md), so
+    filling the store past its capacity makes the next lookup claim chunks the worker
+    no longer has: a real failed load, no mock.
+    """
+    victim = prompt(6, 10 * CHUNK)
+    first = engine.generate(victim)
+    # 40 new chunks: more than the host tier holds (32), so LRU drops every victim
+    # chunk, but fewer than the mirror lists (2 x 32), which therefore still has them.
+    capacity_chunks = HOST_BYTES // CHUNK_BYTES
+    for seed in range(2):
+        engine.generate(prompt(100 + seed, (capacity_chunks + 8) // 2 * CHUNK + 1))
+    before = engine.totals()
+    again = engine.generate(victim)
+    after = engine.totals()
+    failed = after.get("load_failed_blocks", 0) - before.get("load_failed_blocks", 0)
+
+    assert failed > 0
+    assert again.tokens == first.tokens
+    # The failure taught the scheduler: the next run stores and hits again.
+    third = engine.generate(victim)
+    assert third.tokens == first.tokens
+    assert third.num_cached_tokens == 9 * CHUNK
+
+
+def test_store_stats_show_the_host_tier(engine: Engine) -> None:
+    p = prompt(7, 200)
+    engine.generate(p)
+    engine.generate(p)
+    stats = engine.connector.worker.store.stats()
+    assert stats.get_chunks > 0
+    assert stats.tiers[0].kind == "host"
+    assert 0 < stats.tiers[0].used_bytes <= HOST_BYTES

@@ -1,0 +1,169 @@
+"""The connector's parts that need no engine: block mover, config, keys, lookup."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvtier.connectors.vllm.mover import TorchBlockMover, layout_tag, page_view  # noqa: E402
+from kvtier.connectors.vllm.scheduler import KeyMirror, matched_chunks  # noqa: E402
+from kvtier.connectors.vllm.settings import (  # noqa: E402
+    KeyScheme,
+    check_chunk_tokens,
+    config_from_extra,
+    rank_keys,
+    rank_salt,
+    request_extra,
+)
+
+from kvtier.errors import ConfigError, SpecError  # noqa: E402
+from kvtier.spec import KVSpec  # noqa: E402
+
+NB, H, N, HS = 9, 2, 32, 64  # blocks, kv heads, block size, head size
+
+
+def lbhnc(layers: int, device: str = "cpu") -> list[torch.Tensor]:
+    """CPU backend: one storage, per layer [blocks, heads, block_size, 2*head_size]."""
+    whole = torch.randn(layers, NB, H, N, 2 * HS).to(torch.bfloat16).to(device)
+    return [whole[i] for i in range(layers)]
+
+
+def lbnhc(layers: int, device: str = "cpu") -> list[torch.Tensor]:
+    """CUDA FlashAttention default: physical [blocks, block_size, heads, C], logical BHNC."""
+    whole = torch.randn(layers, NB, N, H, 2 * HS).to(torch.bfloat16).to(device)
+    return [whole[i].transpose(1, 2) for i in range(layers)]
+
+
+def lhbnc(layers: int, device: str = "cpu") -> list[torch.Tensor]:
+    """A layout that splits a block across heads: the mover's logical fallback."""
+    whole = torch.randn(layers, H, NB, N, 2 * HS).to(torch.bfloat16).to(device)
+    return [whole[i].transpose(0, 1) for i in range(layers)]
+
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("make", [lbhnc, lbnhc, lhbnc])
+def test_gather_then_scatter_moves_whole_blocks(make, device) -> None:
+    src = make(3, device)
+    dst = [torch.zeros_like(t) for t in src]
+    mover_src, mover_dst = TorchBlockMover(src), TorchBlockMover(dst)
+    blocks_out, blocks_in = [5, 2, 7], [1, 8, 3]
+
+    staging = mover_src.gather(blocks_out, mover_src.mark())
+    assert staging.device.type == "cpu"
+    mover_dst.scatter(staging, blocks_in)
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+    assert staging.shape == (3, 3, H * N * 2 * HS * 2)
+    for s, d in zip(src, dst, strict=True):
+        for b_out, b_in in zip(blocks_out, blocks_in, strict=True):
+            assert torch.equal(d[b_in], s[b_out])
+        untouched = [b for b in range(NB) if b not in blocks_in]
+        assert not d[untouched].any()
+
+
+def test_page_view_only_for_block_compact_layouts() -> None:
+    assert page_view(lbhnc(1)[0]) is not None
+    assert page_view(lbnhc(1)[0]) is not None
+    assert page_view(lhbnc(1)[0]) is None
+    tags = {layout_tag(lbhnc(1)[0]), layout_tag(lbnhc(1)[0]), layout_tag(lhbnc(1)[0])}
+    assert len(tags) == 3  # bytes of different layouts never share a key
+
+
+def test_mover_refuses_unequal_layers() -> None:
+    with pytest.raises(SpecError):
+        TorchBlockMover([torch.zeros(4, 2, 32, 128), torch.zeros(4, 1, 32, 128)])
+
+
+def test_extra_config_layers_file_nested_and_dotted(tmp_path) -> None:
+    f = tmp_path / "kvtier.toml"
+    f.write_text('[store]\nchunk_tokens = 512\nio_threads = 3\n')
+    cfg = config_from_extra(
+        {
+            "config_file": str(f),
+            "store": {"io_threads": 2},
+            "store.chunk_tokens": 128,
+            "tiers": [{"kind": "host", "capacity_bytes": "16MiB"}],
+        },
+        env={},
+    )
+    assert cfg.store.chunk_tokens == 128  # dotted beats file
+    assert cfg.store.io_threads == 2  # nested beats file
+    assert cfg.tiers[0].capacity_bytes == 16 << 20
+    assert config_from_extra({}, env={}).store.chunk_tokens == 256  # the embedded default
+
+
+def test_bad_extra_config_fails_loudly(tmp_path) -> None:
+    with pytest.raises(ConfigError):
+        config_from_extra({"store.chunk_tokenz": 64}, env={})
+    with pytest.raises(ConfigError):
+        config_from_extra({"config_file": str(tmp_path / "missing.toml")}, env={})
+    with pytest.raises(ConfigError):
+        check_chunk_tokens(48, 32)
+    assert check_chunk_tokens(256, 32) == 8
+
+
+def test_keys_separate_salts_loras_ranks_and_layouts() -> None:
+    spec = KVSpec(2, 2, 64, tp_size=2)
+    scheme = KeyScheme("m", spec, 64)
+    toks = list(range(200))
+    plain = scheme.logical_keys(toks)
+    assert len(plain) == 3
+    assert plain == KeyScheme("m", replace(spec, tp_rank=1), 64).logical_keys(toks)
+    salted = scheme.logical_keys(toks, request_extra(None, "a"))
+    lora = scheme.logical_keys(toks, request_extra("a", None))
+    assert len({plain[0], salted[0], lora[0]}) == 3
+    assert request_extra(None, None) == b""
+    r0 = rank_keys(rank_salt(spec, 0, "page-123"), plain)
+    r1 = rank_keys(rank_salt(replace(spec, tp_rank=1), 0, "page-123"), plain)
+    other_layout = rank_keys(rank_salt(spec, 0, "page-213"), plain)
+    assert not set(r0) & set(r1)
+    assert not set(r0) & set(other_layout)
+    assert r0 == rank_keys(rank_salt(spec, 0, "page-123"), plain)  # deterministic
+
+
+def test_lookup_counts_leading_chunks_and_waits_for_saves_in_flight() -> None:
+    mirror = KeyMirror(capacity=10)
+    keys = [bytes([i]) * 16 for i in range(5)]
+    for k in keys[:3]:
+        mirror.add(k)
+    assert matched_chunks(keys, 5 * 64, 64, mirror, {}) == 3
+    assert matched_chunks(keys, 2 * 64, 64, mirror, {}) == 1  # one token must be computed
+    assert matched_chunks(keys, 5 * 64, 64, mirror, {keys[3]: [0, 0]}) is None
+    mirror.discard(keys[0])
+    assert matched_chunks(keys, 5 * 64, 64, mirror, {}) == 0
+
+
+def test_mirror_is_bounded_lru() -> None:
+    mirror = KeyMirror(capacity=2)
+    a, b, c = b"a" * 16, b"b" * 16, b"c" * 16
+    mirror.add(a)
+    mirror.add(b)
+    mirror.touch([a])
+    mirror.add(c)
+    assert a in mirror and c in mirror and b not in mirror
+
+
+def test_mla_models_are_refused() -> None:
+    pytest.importorskip("vllm")
+    from kvtier.connectors.vllm.connector import spec_from_vllm
+
+    cfg = SimpleNamespace(model_config=SimpleNamespace(use_mla=True, model="deepseek"))
+    with pytest.raises(SpecError, match="MLA"):
+        spec_from_vllm(cfg)  # type: ignore[arg-type]
