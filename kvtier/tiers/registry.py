@@ -23,6 +23,7 @@ BUILTIN_KINDS: dict[str, str] = {
     "host": "kvtier.tiers.host",
     "cxl": "kvtier.tiers.cxl",
     "gpu": "kvtier.tiers.gpu",
+    "redis": "kvtier.tiers.redis",
 }
 
 
