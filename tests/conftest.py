@@ -36,6 +36,7 @@ def redis_cluster() -> redis_servers.RedisClusterProcs:
 @pytest.fixture
 def fresh_redis(tmp_path: Path) -> Iterator[redis_servers.RedisServer]:
     """A redis-server of this test's own, for tests that stop, restart or fill it."""
+    redis_servers.require_redis()
     srv = redis_servers.RedisServer(tmp_path / "redis").start()
     yield srv
     srv.stop()
@@ -44,6 +45,7 @@ def fresh_redis(tmp_path: Path) -> Iterator[redis_servers.RedisServer]:
 @pytest.fixture
 def fresh_cluster(tmp_path: Path) -> Iterator[redis_servers.RedisClusterProcs]:
     """A 3-master cluster of this test's own, for tests that kill a master."""
+    redis_servers.require_redis()
     c = redis_servers.RedisClusterProcs(tmp_path / "cluster").start()
     yield c
     c.stop()
