@@ -12,6 +12,12 @@ that doubles from ``backoff_min_s`` to ``backoff_max_s``; the next call after it
 again. The reason is logged at the transition, then at most once a minute. redis-py's own
 retries are off: they would wait past the budget.
 
+Values go out without a copy: :class:`FramedPacker` writes a :class:`~.wire.Framed` value's
+header and the caller's payload as one RESP bulk string, so ``sendall`` reads the payload
+straight from the caller's buffer. (redis-py's hiredis packer copies every value twice;
+its Python packer copies none but cannot frame a header.) Replies are parsed by hiredis
+when it is installed, redis-py's Python parser otherwise.
+
 redis-py is imported here, lazily: only a configured ``redis`` tier loads it.
 """
 
@@ -28,6 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from kvtier.errors import ConfigError, PluginError
+from kvtier.tiers.redis.wire import Framed
 
 if TYPE_CHECKING:
     import redis
@@ -153,6 +160,58 @@ class _Breaker:
             )
 
 
+_CRLF = b"\r\n"
+_CUTOFF = 6000  # redis-py's: smaller arguments are joined into one buffer
+
+
+def _encode_arg(arg: object) -> bytes | memoryview:
+    if isinstance(arg, bytes | memoryview):
+        return arg
+    if isinstance(arg, bytearray):
+        return bytes(arg)
+    if isinstance(arg, str):
+        return arg.encode()
+    if isinstance(arg, int | float) and not isinstance(arg, bool):
+        return repr(arg).encode()
+    raise TypeError(f"cannot send {type(arg).__name__} to Redis")
+
+
+class FramedPacker:
+    """redis-py command packer (``Connection(command_packer=...)``) that frames values.
+
+    Packs RESP like redis-py's Python packer: small arguments joined, large ones and
+    memoryviews as separate pieces (sent by ``sendall`` without a copy). A
+    :class:`~.wire.Framed` argument becomes one bulk string: its header joined to the
+    length prefix, then the payload view. Stateless, so one instance serves every
+    connection.
+    """
+
+    def pack(self, *args: object) -> list[bytes | memoryview]:
+        first = args[0]
+        if isinstance(first, str):
+            args = (*first.encode().split(), *args[1:])
+        elif isinstance(first, bytes) and b" " in first:
+            args = (*first.split(), *args[1:])
+        out: list[bytes | memoryview] = []
+        buff = b"*%d\r\n" % len(args)
+        for raw in args:
+            if isinstance(raw, Framed):
+                out.append(b"".join((buff, b"$%d\r\n" % len(raw), raw.header)))
+                out.append(raw.payload)
+                buff = _CRLF
+                continue
+            arg = _encode_arg(raw)
+            n = len(arg) if isinstance(arg, bytes) else arg.nbytes
+            if len(buff) > _CUTOFF or n > _CUTOFF or isinstance(arg, memoryview):
+                out.append(b"".join((buff, b"$%d\r\n" % n)))
+                out.append(arg)
+                buff = _CRLF
+            else:
+                buff = b"".join((buff, b"$%d\r\n" % n, arg, _CRLF))
+        out.append(buff)
+        return out
+
+
 NodeWork = Callable[["redis.Redis", list[int], Op], list[T]]
 """Runs one node's part of a batch: (client, item indices, op) -> one result per index."""
 
@@ -166,6 +225,7 @@ class Nodes:
         connect_timeout_s / socket_timeout_s: bounds on one connect and one socket wait.
         backoff_min_s / backoff_max_s: the breaker's reconnect backoff.
         threads: the fan-out pool (parallel per-node parts of one batch).
+        streams: connections one node's part of a batch is spread over.
     """
 
     def __init__(
@@ -178,6 +238,7 @@ class Nodes:
         backoff_min_s: float,
         backoff_max_s: float,
         threads: int,
+        streams: int = 1,
     ) -> None:
         try:
             import redis
@@ -194,7 +255,10 @@ class Nodes:
             # Retries would wait past the op budget; the breaker does the backing off.
             "retry": Retry(NoBackoff(), 0),
         }
+        self._packer = FramedPacker()
+        self._clients: dict[str, Any] = {}  # cluster mode: node name -> our own client
         self._lo, self._hi = backoff_min_s, backoff_max_s
+        self._streams = streams
         self._cluster_seeds = [_host_port(s, "cluster_nodes") for s in cluster_nodes]
         self._single: redis.Redis | None = None
         self._cluster: Any = None  # redis.RedisCluster, built lazily (the cluster may be down)
@@ -208,7 +272,10 @@ class Nodes:
             if parts.scheme not in ("redis", "rediss", "unix"):
                 raise ConfigError("url", url, "a redis://host:port/db URL")
             try:
-                self._single = redis.Redis.from_url(url, **self._kwargs)
+                pool = redis.ConnectionPool.from_url(
+                    url, command_packer=self._packer, **self._kwargs
+                )
+                self._single = redis.Redis(connection_pool=pool)
             except ValueError as exc:
                 raise ConfigError("url", url, f"a redis://host:port/db URL ({exc})") from exc
             kw = self._single.connection_pool.connection_kwargs
@@ -279,9 +346,21 @@ class Nodes:
                 except self._redis.exceptions.SlotNotCoveredError:
                     self.refresh_topology()
                     continue
-                hit = by_slot[slot] = (node.name, rc.get_redis_connection(node))
+                client = self._node_client(node.name, node.host, node.port)
+                hit = by_slot[slot] = (node.name, client)
             groups.setdefault(hit[0], (hit[1], []))[1].append(i)
         return groups
+
+    def _node_client(self, name: str, host: str, port: int) -> Any:
+        """Our own client of one cluster node: the cluster's clients cannot take our packer."""
+        with self._lock:
+            client = self._clients.get(name)
+            if client is None:
+                pool = self._redis.ConnectionPool(
+                    host=host, port=port, command_packer=self._packer, **self._kwargs
+                )
+                client = self._clients[name] = self._redis.Redis(connection_pool=pool)
+            return client
 
     def refresh_topology(self) -> None:
         """Re-read the cluster's slot map in the background (after MOVED or a dead master)."""
@@ -318,7 +397,12 @@ class Nodes:
             b = self.breaker(node)
             if not b.available():
                 continue
-            futures[self._pool.submit(self._run_node, b, client, idx, work, op)] = (b, idx)
+            # Several connections per node overlap one stream's reply parsing and copies
+            # with the server sending the next stream's values.
+            k = min(self._streams, len(idx))
+            step = -(-len(idx) // k)
+            for part in (idx[i : i + step] for i in range(0, len(idx), step)):
+                futures[self._pool.submit(self._run_node, b, client, part, work, op)] = (b, part)
         if not futures:
             return out
         done, late = wait(futures, timeout=max(0.0, op.remaining_s()))
@@ -365,6 +449,8 @@ class Nodes:
             self._single.close()
         if self._cluster is not None:
             self._cluster.close()
+        for client in self._clients.values():
+            client.close()
 
 
 def _host_port(text: str, key: str) -> tuple[str, int]:

@@ -63,13 +63,16 @@ class Options:
     # Bound on one TCP connect, and on one wait for a socket read or write, in seconds.
     connect_timeout_s: float = 0.5
     socket_timeout_s: float = 2.0
-    # Bytes of values in one pipelined round trip to one node.
-    batch_bytes: int = 64 * MiB
+    # Bytes of values in one pipelined round trip to one node. A few MiB keeps the
+    # client's and the server's buffers in cache; far larger batches ran slower.
+    batch_bytes: int = 8 * MiB
     # Reconnect backoff of a failed node: doubles from min to max, in seconds.
     backoff_min_s: float = 0.05
     backoff_max_s: float = 5.0
     # Threads that run the per-node parts of one batch in parallel.
     fanout_threads: int = 8
+    # Connections one node's part of a batch is spread over, in parallel.
+    streams_per_node: int = 2
 
     def __post_init__(self) -> None:
         positive = ("op_budget_s", "write_budget_s", "connect_timeout_s", "socket_timeout_s",
@@ -85,6 +88,8 @@ class Options:
             )
         if self.batch_bytes < 1:
             raise ConfigError("batch_bytes", self.batch_bytes, "a positive size")
+        if not 1 <= self.streams_per_node <= 64:
+            raise ConfigError("streams_per_node", self.streams_per_node, "an integer in [1, 64]")
         if not 1 <= self.fanout_threads <= 256:
             raise ConfigError("fanout_threads", self.fanout_threads, "an integer in [1, 256]")
         if not self.key_prefix:
@@ -141,6 +146,7 @@ class RedisTier(Tier):
             backoff_min_s=opts.backoff_min_s,
             backoff_max_s=opts.backoff_max_s,
             threads=opts.fanout_threads,
+            streams=opts.streams_per_node,
         )
         self._px = int(opts.ttl_s * 1000) if opts.ttl_s > 0 else None
         self._closed = False

@@ -51,6 +51,24 @@ def checksum(key: bytes, payload: memoryview | bytes) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class Framed:
+    """One value as two pieces that go on the wire back to back: the payload is not copied.
+
+    :class:`kvtier.tiers.redis.nodes.FramedPacker` writes it as one RESP bulk string.
+    """
+
+    header: bytes
+    payload: memoryview
+
+    def __len__(self) -> int:
+        return len(self.header) + self.payload.nbytes
+
+    def tobytes(self) -> bytes:
+        """The value as one bytes object (a copy; for tests and tools)."""
+        return b"".join((self.header, self.payload))
+
+
+@dataclass(frozen=True, slots=True)
 class Header:
     """A parsed value header (see the module docstring for the fields)."""
 
@@ -61,14 +79,13 @@ class Header:
     checksum: int
 
 
-def encode(key: bytes, payload: memoryview, namespace: int) -> bytes:
-    """One Redis value: header plus ``payload`` (one copy of the payload)."""
+def encode(key: bytes, payload: memoryview, namespace: int) -> Framed:
+    """One Redis value: header plus ``payload``, framed without copying the payload."""
     head = _HEADER.pack(
         MAGIC, FORMAT_VERSION, CODEC_RAW, payload.nbytes, namespace, payload.nbytes,
         checksum(key, payload),
     )
-    # bytes.join sizes the result once: a single copy of the payload, no realloc.
-    return b"".join((head, payload))
+    return Framed(head, payload)
 
 
 def parse_header(value: bytes | memoryview, namespace: int) -> Header:
