@@ -5,11 +5,11 @@ Layout (little-endian, 32 bytes of header)::
     offset size field
     0      2    magic        b"KV"
     2      1    version      FORMAT_VERSION
-    3      1    codec        0 = raw bytes (the only codec so far)
+    3      1    codec        0 = raw bytes; else a kvtier.codec id (lz4 byte-plane)
     4      4    stored_len   payload bytes as stored (after the codec)
     8      8    namespace    xxh3-64 of (tenant, KV spec fingerprint): what the value belongs to
     16     8    raw_len      chunk bytes after decoding (the value the store asked to keep)
-    24     8    checksum     xxh3-64 of (chunk key || raw payload)
+    24     8    checksum     xxh3-64 of (chunk key || raw chunk bytes, before the codec)
     32     ...  payload
 
 One value per chunk makes a store a single ``SET`` and a load a single ``GET``: one round
@@ -24,13 +24,15 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
+from kvtier import codec as kvcodec
 from kvtier.errors import CorruptChunkError
 
 MAGIC = b"KV"
 FORMAT_VERSION = 1
-CODEC_RAW = 0
+CODEC_RAW = kvcodec.RAW
 
 _HEADER = struct.Struct("<2sBBIQQQ")
 HEADER_BYTES = _HEADER.size
@@ -79,13 +81,25 @@ class Header:
     checksum: int
 
 
-def encode(key: bytes, payload: memoryview, namespace: int) -> Framed:
-    """One Redis value: header plus ``payload``, framed without copying the payload."""
+def encode(
+    key: bytes, payload: memoryview, namespace: int, *, compress: bool = False, width: int = 2
+) -> Framed:
+    """One Redis value: header plus ``payload``, framed without copying a raw payload.
+
+    With ``compress``, the chunk is tried with the lz4 byte-plane codec
+    (:mod:`kvtier.codec`, ``width`` bytes per element) and kept raw when that does not
+    pay. The checksum is over the raw bytes, so it also checks the codec's round trip.
+    """
+    digest = checksum(key, payload)
+    codec_id, body = CODEC_RAW, payload
+    if compress:
+        enc = kvcodec.encode(np.frombuffer(payload, dtype=np.uint8), width=width)
+        if enc.codec != kvcodec.RAW:
+            codec_id, body = enc.codec, memoryview(enc.payload)
     head = _HEADER.pack(
-        MAGIC, FORMAT_VERSION, CODEC_RAW, payload.nbytes, namespace, payload.nbytes,
-        checksum(key, payload),
+        MAGIC, FORMAT_VERSION, codec_id, body.nbytes, namespace, payload.nbytes, digest
     )
-    return Framed(head, payload)
+    return Framed(head, body)
 
 
 def parse_header(value: bytes | memoryview, namespace: int) -> Header:
@@ -100,7 +114,8 @@ def parse_header(value: bytes | memoryview, namespace: int) -> Header:
     magic, version, codec, stored_len, ns, raw_len, digest = _HEADER.unpack_from(value)
     if magic != MAGIC or version != FORMAT_VERSION:
         raise CorruptChunkError(f"bad magic/version {magic!r}/{version}")
-    if codec != CODEC_RAW or stored_len != raw_len:
+    raw = codec == CODEC_RAW
+    if not (raw or codec & 0x0F == kvcodec.LZ4_SHUFFLE) or (raw and stored_len != raw_len):
         raise CorruptChunkError(f"unknown codec {codec} or lengths {stored_len}/{raw_len}")
     if ns != namespace:
         raise CorruptChunkError(f"value of namespace {ns:#x}, expected {namespace:#x}")
@@ -121,6 +136,11 @@ def decode_into(key: bytes, value: bytes, namespace: int, dst: memoryview) -> No
     if head.raw_len != dst.nbytes:
         raise CorruptChunkError(f"value holds {head.raw_len} B, the slot expects {dst.nbytes}")
     payload = memoryview(value)[HEADER_BYTES:]
-    if checksum(key, payload) != head.checksum:
-        raise CorruptChunkError("checksum mismatch")
-    dst[:] = payload
+    if head.codec == CODEC_RAW:
+        if checksum(key, payload) != head.checksum:
+            raise CorruptChunkError("checksum mismatch")
+        dst[:] = payload
+        return
+    kvcodec.decode(head.codec, payload, np.frombuffer(dst, dtype=np.uint8))
+    if checksum(key, dst) != head.checksum:
+        raise CorruptChunkError("checksum mismatch after decoding")
