@@ -13,10 +13,35 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NewType
 
+import array
+import sys
+
 import numpy as np
 import xxhash
 
 from kvtier.errors import InputError
+
+try:
+    from kvtier._speedups import pack_i32 as _pack_i32_c
+except ImportError:  # built without a C compiler: the array module is ~5x slower
+    _pack_i32_c = None
+
+
+def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes | memoryview:
+    """Token ids as little-endian int32 bytes: the canonical input of chunk keys."""
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1:
+            raise InputError(f"token_ids must be one-dimensional, got shape {token_ids.shape}")
+        return memoryview(np.ascontiguousarray(token_ids, dtype="<i4").data).cast("B")
+    try:
+        if _pack_i32_c is not None and isinstance(token_ids, (list, tuple)):
+            return bytes(_pack_i32_c(token_ids))
+        arr = array.array("i", token_ids)
+    except (TypeError, OverflowError) as exc:
+        raise InputError(f"token ids must be int32 integers: {exc}") from exc
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return memoryview(arr).cast("B")
 
 ChunkKey = NewType("ChunkKey", bytes)
 """16 bytes: the xxh3-128 digest of one chunk and all chunks before it."""
@@ -75,12 +100,9 @@ class ChunkHasher:
                 into every later key.
             parent: key of the chunk before ``token_ids[0]``, to extend a known prefix.
         """
-        arr = np.ascontiguousarray(token_ids, dtype="<i4")
-        if arr.ndim != 1:
-            raise InputError(f"token_ids must be one-dimensional, got shape {arr.shape}")
-        n = arr.shape[0] // self.chunk_tokens
-        buf = arr.tobytes()
+        buf = memoryview(token_bytes(token_ids))
         step = self.chunk_tokens * 4
+        n = buf.nbytes // step
         prev = parent if parent is not None else self._seed
         out: list[ChunkKey] = []
         h = xxhash.xxh3_128()

@@ -12,9 +12,9 @@
 
 Threading: public methods may be called from any thread. The index is guarded by one
 lock; bytes move on the store's I/O threads, never under the lock and never on the
-caller's thread (``put`` and ``get`` return futures). A chunk being read or moved is
-*busy*: it is never chosen as a victim until the copy is done, so no slot is reused
-while bytes are in flight.
+caller's thread (``put`` and ``get`` return futures). Every read holds the slot it
+reads; a slot whose chunk moved or was deleted is released to its tier only when its
+last reader is done, so no slot is reused while bytes are in flight.
 
 Failures of a tier (I/O errors, corrupt bytes) never escape as exceptions: they become
 misses, a counter, an event and a rate-limited log line.
@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -48,39 +49,48 @@ log = logging.getLogger(__name__)
 
 Buffer = memoryview | bytes | bytearray | np.ndarray
 Listener = Callable[[StoreEvent], None]
+T = TypeVar("T")
 
 _MAKE_ROOM_ROUNDS = 8  # bounded retries when concurrent puts race for freed space
 
 
-class _Entry:
-    """Where one chunk lives. Internal and mutable; guarded by the store lock."""
+class _Slot:
+    """One stored copy of a chunk: where its bytes are, and who is reading them.
 
-    __slots__ = ("busy", "doomed", "offset", "pins", "tier", "value_bytes")
+    Internal and mutable; guarded by the store lock. A slot is *retired* when its
+    chunk moved elsewhere or was deleted; its bytes stay untouched until the last
+    reader is done, and only then are they released to the tier's allocator. That is
+    what keeps a concurrent demotion, promotion or delete from ever handing a reader
+    bytes that a new put has overwritten.
+    """
 
-    def __init__(self, tier: int, offset: int, value_bytes: int) -> None:
+    __slots__ = ("key", "offset", "readers", "retired", "tier", "value_bytes")
+
+    def __init__(self, key: ChunkKey, tier: int, offset: int, value_bytes: int) -> None:
+        self.key = key
         self.tier = tier
         self.offset = offset
         self.value_bytes = value_bytes
+        self.readers = 0
+        self.retired = False
+
+
+class _Entry:
+    """Index entry of one chunk. Internal; guarded by the store lock."""
+
+    __slots__ = ("moving", "pins", "slot")
+
+    def __init__(self, slot: _Slot) -> None:
+        self.slot = slot
         self.pins = 0
-        self.busy = 0
-        self.doomed = False
-
-
-@dataclass(frozen=True, slots=True)
-class _Loc:
-    """A snapshot of an entry's location, taken under the lock."""
-
-    key: ChunkKey
-    tier: int
-    offset: int
-    value_bytes: int
+        self.moving = False
 
 
 def _as_bytes_view(buf: Buffer, *, writable: bool) -> memoryview:
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
             raise InputError("buffer must be C-contiguous")
-        view = memoryview(buf.reshape(-1).view(np.uint8))
+        view = memoryview(buf.reshape(-1).view(np.uint8).data)
     else:
         view = memoryview(buf)
     view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
@@ -89,10 +99,10 @@ def _as_bytes_view(buf: Buffer, *, writable: bool) -> memoryview:
     return view
 
 
-def runs_of(locs: Sequence[_Loc]) -> list[tuple[int, int, SlotRun]]:
-    """Group locations into runs of consecutive slots of one tier and equal length.
+def runs_of(locs: Sequence[_Slot]) -> list[tuple[int, int, SlotRun]]:
+    """Group slots into runs of consecutive offsets of one tier and equal length.
 
-    Returns (index of the first loc, tier, run) triples, in order.
+    Returns (index of the first slot, tier, run) triples, in order.
     """
     out: list[tuple[int, int, SlotRun]] = []
     i = 0
@@ -144,6 +154,8 @@ class TieredStore:
         self._pending: set[ChunkKey] = set()
         self._lock = threading.RLock()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
+        self._inflight = 0
+        self._idle = threading.Condition(threading.Lock())
         self._listeners: list[Listener] = []
         self._closed = False
         self._c: dict[str, int] = dict.fromkeys(
@@ -184,7 +196,7 @@ class TieredStore:
         value_bytes = view.nbytes // len(keys)
         if not 0 < value_bytes <= self.slot_bytes:
             raise InputError(f"chunk of {value_bytes} B; the store takes 1..{self.slot_bytes} B")
-        return self._pool.submit(self._put, keys, view, value_bytes)
+        return self._submit(self._put, keys, view, value_bytes)
 
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
         """How many leading ``keys`` are present, and in which tiers. Thread-safe.
@@ -198,11 +210,11 @@ class TieredStore:
         with self._lock:
             for key in keys:
                 e = self._index.get(key)
-                if e is None or e.doomed:
+                if e is None:
                     break
-                tiers.append(self.tiers[e.tier].name)
+                tiers.append(self.tiers[e.slot.tier].name)
         if len(tiers) < len(keys) and self._shared:
-            tiers.extend(self.tiers[loc.tier].name for loc in self._adopt(keys[len(tiers) :]))
+            tiers.extend(self.tiers[sl.tier].name for sl in self._adopt(keys[len(tiers) :]))
         with self._lock:
             self._c["lookups"] += 1
             self._c["lookup_hit_chunks"] += len(tiers)
@@ -224,25 +236,25 @@ class TieredStore:
         self._check_open()
         view = _as_bytes_view(dst, writable=True)
         with self._lock:
-            locs: list[_Loc] = []
+            slots: list[_Slot] = []
             for key in keys:
                 e = self._index.get(key)
-                if e is None or e.doomed:
+                if e is None:
                     break
-                e.busy += 1
-                locs.append(_Loc(key, e.tier, e.offset, e.value_bytes))
-            for loc in reversed(locs):  # head most recent, as in touch()
-                self._evict[loc.tier].touch(loc.key)
+                e.slot.readers += 1
+                slots.append(e.slot)
+            for sl in reversed(slots):  # head most recent, as in touch()
+                self._evict[sl.tier].touch(sl.key)
             self._c["gets"] += 1
-        need = sum(loc.value_bytes for loc in locs)
+        need = sum(sl.value_bytes for sl in slots)
         if need > view.nbytes:
-            self._unbusy([loc.key for loc in locs])
+            self._unread(slots)
             raise InputError(f"destination of {view.nbytes} B; the hit needs {need} B")
-        tail = list(keys[len(locs) :]) if self._shared else []
-        return self._pool.submit(self._get, locs, view, tail)
+        tail = list(keys[len(slots) :]) if self._shared else []
+        return self._submit(self._get, slots, view, tail)
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
-        """Remove chunks; returns how many were present. A chunk being read goes after the read.
+        """Remove chunks; returns how many were present. Reads in flight finish first.
 
         Shared tiers delete the values from their medium too (one round trip each), so
         other processes stop finding them; chunks only there count as present.
@@ -252,17 +264,14 @@ class TieredStore:
         with self._lock:
             for key in keys:
                 e = self._index.get(key)
-                if e is None or e.doomed:
-                    continue
-                gone.append(key)
-                if e.busy:
-                    e.doomed = True
-                else:
-                    self._drop_locked(key, e)
+                if e is not None:
+                    self._remove_locked(key, e)
+                    gone.append(key)
         removed = len(gone)
         if self._shared:
             # forget() leaves shared values alone (others may use them); delete must not.
-            elsewhere = [k for k in keys if k not in set(gone)]
+            known = set(gone)
+            elsewhere = [k for k in keys if k not in known]
             found_elsewhere = 0
             for t in self._shared:
                 if gone:
@@ -282,7 +291,7 @@ class TieredStore:
             n = 0
             for key in keys:
                 e = self._index.get(key)
-                if e is not None and not e.doomed:
+                if e is not None:
                     e.pins += 1
                     n += 1
             return n
@@ -301,7 +310,7 @@ class TieredStore:
             for key in reversed(keys):
                 e = self._index.get(key)
                 if e is not None:
-                    self._evict[e.tier].touch(key)
+                    self._evict[e.slot.tier].touch(key)
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener`` with every :class:`StoreEvent` (from I/O threads; keep it fast)."""
@@ -314,9 +323,14 @@ class TieredStore:
             hits = tuple((t.name, n) for t, n in zip(self.tiers, self._tier_hits, strict=True))
         return StoreStats(chunks=chunks, tier_hits=hits, tiers=tuple(t.stats() for t in self.tiers), **c)
 
+    def drain(self) -> None:
+        """Wait until no operation is queued or running, background promotions included."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._inflight == 0)
+
     def flush(self) -> None:
         """Wait for queued work, then make persistent tiers durable."""
-        self._pool.submit(lambda: None).result()
+        self.drain()
         for t in self.tiers:
             t.flush()
 
@@ -324,6 +338,7 @@ class TieredStore:
         """Finish queued work, flush and close every tier. Idempotent."""
         if self._closed:
             return
+        self.drain()
         self._closed = True
         self._pool.shutdown(wait=True)
         for t in self.tiers:
@@ -337,6 +352,24 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        """Run ``fn`` on an I/O thread, counted so :meth:`drain` can wait for it."""
+        with self._idle:
+            self._inflight += 1
+        try:
+            fut = self._pool.submit(fn, *args)
+        except RuntimeError as exc:  # the pool was shut down by close()
+            self._done(None)
+            raise ClosedError("the store is closed") from exc
+        fut.add_done_callback(self._done)
+        return fut
+
+    def _done(self, _fut: object) -> None:
+        with self._idle:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.notify_all()
 
     # -- workers -------------------------------------------------------------------------
 
@@ -421,63 +454,60 @@ class TieredStore:
             # Newest-last in eviction order, tail first: a sequence loses its tail
             # before its head, so what stays is still a usable prefix.
             for key, slot_no in reversed(indexed):
-                self._index[key] = _Entry(t, slot_no, value_bytes)
+                self._index[key] = _Entry(_Slot(key, t, slot_no, value_bytes))
                 self._evict[t].insert(key, value_bytes)
         if stored:
             self._emit(StoreEvent(EventKind.STORED, tier.name, stored, stored * value_bytes))
         return stored, failed
 
-    def _get(self, locs: list[_Loc], view: memoryview, tail: list[ChunkKey]) -> GetResult:
+    def _get(self, slots: list[_Slot], view: memoryview, tail: list[ChunkKey]) -> GetResult:
         if tail:
-            room = view.nbytes - sum(loc.value_bytes for loc in locs)
-            locs = locs + self._adopt(tail, busy=True, max_bytes=room)
+            room = view.nbytes - sum(sl.value_bytes for sl in slots)
+            slots = slots + self._adopt(tail, hold=True, max_bytes=room)
         done = 0
         pos = 0
         tiers: list[str] = []
         lengths: list[int] = []
         try:
-            for first, t, run in runs_of(locs):
+            for first, t, run in runs_of(slots):
                 try:
                     self.tiers[t].read(run, view[pos : pos + run.nbytes])
                 except TierError as exc:
-                    self._read_failed(t, run, exc)
+                    self._read_failed(t, slots[first : first + run.n], exc)
                     break
                 done = first + run.n
                 pos += run.nbytes
                 tiers.extend([self.tiers[t].name] * run.n)
                 lengths.extend([run.value_bytes] * run.n)
         finally:
-            self._unbusy([loc.key for loc in locs])
-        served = locs[:done]
+            self._unread(slots)
+        served = slots[:done]
+        by_tier: dict[int, list[ChunkKey]] = {}
         with self._lock:
             self._c["get_chunks"] += done
             self._c["get_bytes"] += pos
-            for loc in served:
-                self._tier_hits[loc.tier] += 1
-            by_tier: dict[int, list[ChunkKey]] = {}
-            for loc in served:
-                by_tier.setdefault(loc.tier, []).append(loc.key)
+            for sl in served:
+                self._tier_hits[sl.tier] += 1
+                by_tier.setdefault(sl.tier, []).append(sl.key)
             for t, ks in by_tier.items():
                 self.placement.on_hit(t, ks)
         if self.promote_on_hit and not self._closed:
             for t, ks in by_tier.items():
                 if t > 0 and self.placement.should_promote(t, ks):
-                    self._pool.submit(self._promote, ks)
+                    self._submit(self._promote, ks)
         return GetResult(done, pos, tuple(lengths), tuple(tiers))
 
     def _promote(self, keys: list[ChunkKey]) -> None:
+        # Never more than half the top tier at once: a promotion must not flush the
+        # whole working set of the top tier for one long sequence.
+        limit = max(1, self.tiers[0].capacity_slots // 2)
         with self._lock:
-            movable: list[_Loc] = []
-            for key in keys:
-                e = self._index.get(key)
-                if e is None or e.busy or e.doomed or e.tier == 0:
-                    continue
-                e.busy += 1
-                movable.append(_Loc(key, e.tier, e.offset, e.value_bytes))
+            movable = self._claim_movers_locked(keys[:limit], lambda e: e.slot.tier > 0)
         if not movable:
             return
         if not self._make_room(0, len(movable)):
-            self._unbusy([m.key for m in movable])
+            with self._lock:
+                self._release_movers_locked(movable)
             return
         moved = self._move(movable, 0, drop_on_failure=False)
         with self._lock:
@@ -488,18 +518,18 @@ class TieredStore:
     # -- shared tiers --------------------------------------------------------------------
 
     def _adopt(
-        self, keys: Sequence[ChunkKey], *, busy: bool = False, max_bytes: int | None = None
-    ) -> list[_Loc]:
+        self, keys: Sequence[ChunkKey], *, hold: bool = False, max_bytes: int | None = None
+    ) -> list[_Slot]:
         """Index the leading ``keys`` that shared tiers hold but this index lacks.
 
         Another process may have stored them. Each shared tier, in order, is probed for
         what is still missing; each chunk found claims one slot of that tier (its
         allocator is a logical bound there) and is then read through the normal path. A
         chunk that vanishes before it is read fails that read, which is a miss. Called
-        with no lock held (probes do I/O). Returns the locations of the leading run, in
-        key order, marked busy when ``busy``; at most ``max_bytes`` of values.
+        with no lock held (probes do I/O). Returns the slots of the leading run, in key
+        order, read-held when ``hold``; at most ``max_bytes`` of values.
         """
-        out: list[_Loc] = []
+        out: list[_Slot] = []
         rest = list(keys)
         room = max_bytes
         for t in self._shared:
@@ -523,31 +553,25 @@ class TieredStore:
             extents = tier.allocate(n)
             if extents is None:
                 break
-            slots = [o for ext in extents for o in range(ext.offset, ext.offset + ext.units)]
+            offsets = [o for ext in extents for o in range(ext.offset, ext.offset + ext.units)]
             new: list[ChunkKey] = []
-            stopped = False
             with self._lock:
                 for j in range(n):
                     key = rest[j]
                     e = self._index.get(key)
                     if e is None:
-                        e = self._index[key] = _Entry(t, slots[j], lengths[j])
+                        e = self._index[key] = _Entry(_Slot(key, t, offsets[j], lengths[j]))
                         new.append(key)
                     else:  # indexed meanwhile by a put or another adoption
-                        tier.release(slots[j], 1)
-                        if e.doomed:
-                            for s in slots[j + 1 :]:
-                                tier.release(s, 1)
-                            stopped = True
-                            break
-                    if busy:
-                        e.busy += 1
-                    out.append(_Loc(key, e.tier, e.offset, e.value_bytes))
+                        tier.release(offsets[j], 1)
+                    if hold:
+                        e.slot.readers += 1
+                    out.append(e.slot)
                 for key in reversed(new):  # head most recent, as in _write_new
-                    self._evict[t].insert(key, self._index[key].value_bytes)
+                    self._evict[t].insert(key, self._index[key].slot.value_bytes)
                 self._c["adopted_chunks"] += len(new)
             rest = rest[n:]
-            if stopped or n < len(lengths):
+            if n < len(lengths):
                 break
         return out
 
@@ -566,12 +590,11 @@ class TieredStore:
                 victims = self._pick_victims_locked(t, deficit)
                 if len(victims) < deficit:
                     # Not enough evictable chunks: change nothing (atomic eviction).
-                    for v in victims:
-                        self._index[v.key].busy -= 1
+                    self._release_movers_locked(victims)
                     return False
                 target = self.placement.demote_target(t, len(self.tiers), [v.key for v in victims])
                 if target is None:
-                    self._drop_victims_locked(t, victims)
+                    self._drop_movers_locked(t, victims)
                     continue
             if self._make_room(target, len(victims)):
                 moved = self._move(victims, target, drop_on_failure=True)
@@ -581,37 +604,57 @@ class TieredStore:
                     self._emit(StoreEvent(EventKind.DEMOTED, self.tiers[target].name, moved, 0))
             else:
                 with self._lock:
-                    self._drop_victims_locked(t, victims)
+                    self._drop_movers_locked(t, victims)
         return tier.free_slots >= n
 
-    def _pick_victims_locked(self, t: int, deficit: int) -> list[_Loc]:
-        out: list[_Loc] = []
+    def _pick_victims_locked(self, t: int, deficit: int) -> list[_Slot]:
+        keys: list[ChunkKey] = []
         for key in self._evict[t].candidates():
             e = self._index.get(key)
-            if e is None or e.pins or e.busy or e.tier != t:
+            if e is None or e.pins or e.moving or e.slot.readers or e.slot.tier != t:
                 continue
-            out.append(_Loc(key, t, e.offset, e.value_bytes))
-            if len(out) >= deficit:
+            keys.append(key)
+            if len(keys) >= deficit:
                 break
-        for v in out:
-            self._index[v.key].busy += 1
+        return self._claim_movers_locked(keys, lambda e: True)
+
+    def _claim_movers_locked(self, keys: Sequence[ChunkKey], ok: Callable[[_Entry], bool]) -> list[_Slot]:
+        """Mark chunks as moving (so no other mover takes them) and read-hold their slots."""
+        out: list[_Slot] = []
+        for key in keys:
+            e = self._index.get(key)
+            if e is None or e.moving or not ok(e):
+                continue
+            e.moving = True
+            e.slot.readers += 1
+            out.append(e.slot)
         return out
 
-    def _drop_victims_locked(self, t: int, victims: list[_Loc]) -> None:
-        for v in victims:
-            e = self._index[v.key]
-            e.busy -= 1
-            self._drop_locked(v.key, e)
-        self._c["dropped_chunks"] += len(victims)
-        self._emit(StoreEvent(EventKind.DROPPED, self.tiers[t].name, len(victims), 0))
+    def _release_movers_locked(self, slots: list[_Slot]) -> None:
+        for sl in slots:
+            e = self._index.get(sl.key)
+            if e is not None and e.slot is sl:
+                e.moving = False
+            self._unread_locked(sl)
 
-    def _move(self, victims: list[_Loc], target: int, *, drop_on_failure: bool) -> int:
-        """Copy busy chunks into ``target`` (room already made) and repoint the index.
+    def _drop_movers_locked(self, t: int, victims: list[_Slot]) -> None:
+        self._release_movers_locked(victims)
+        dropped = 0
+        for sl in victims:
+            e = self._index.get(sl.key)
+            if e is not None and e.slot is sl:
+                self._remove_locked(sl.key, e)
+                dropped += 1
+        self._c["dropped_chunks"] += dropped
+        self._emit(StoreEvent(EventKind.DROPPED, self.tiers[t].name, dropped, 0))
+
+    def _move(self, victims: list[_Slot], target: int, *, drop_on_failure: bool) -> int:
+        """Copy moving chunks into ``target`` (room already made) and repoint the index.
 
         Returns how many moved. A chunk that fails to move is dropped when it is a
         victim that must leave its tier (``drop_on_failure``), and stays where it was
-        otherwise (a promotion). Nothing is ever left half-moved; every victim stops
-        being busy.
+        otherwise (a promotion). The old copy is released only when its last reader is
+        done, so concurrent gets of these chunks still read intact bytes.
         """
         victims = sorted(victims, key=lambda v: (v.tier, v.offset))
         dst_tier = self.tiers[target]
@@ -619,113 +662,120 @@ class TieredStore:
         if extents is None:
             with self._lock:
                 if drop_on_failure:
-                    self._drop_victims_locked(victims[0].tier, victims)
-            if not drop_on_failure:
-                self._unbusy([v.key for v in victims])
+                    self._drop_movers_locked(victims[0].tier, victims)
+                else:
+                    self._release_movers_locked(victims)
             return 0
-        staging = np.empty(sum(v.value_bytes for v in victims), dtype=np.uint8)
-        view = memoryview(staging)
-        ok = [False] * len(victims)
-        pos = 0
-        offsets: list[int] = []
-        for ext in extents:
-            offsets.extend(range(ext.offset, ext.offset + ext.units))
+        offsets = [o for ext in extents for o in range(ext.offset, ext.offset + ext.units)]
         starts: list[int] = []
+        pos = 0
         for v in victims:
             starts.append(pos)
             pos += v.value_bytes
+        staging = np.empty(pos, dtype=np.uint8)
+        view = memoryview(staging.data)
+        ok = [False] * len(victims)
         for first, t, run in runs_of(victims):
             lo = starts[first]
             try:
                 self.tiers[t].read(run, view[lo : lo + run.nbytes])
             except TierError as exc:
-                self._read_failed(t, run, exc)
+                self._read_failed(t, victims[first : first + run.n], exc)
                 continue
             for j in range(run.n):
                 ok[first + j] = True
-        # Write what was read into the new slots, run by run.
-        moved_locs = [
-            _Loc(v.key, target, offsets[i], v.value_bytes) for i, v in enumerate(victims) if ok[i]
-        ]
-        new_pos = {v.key: starts[i] for i, v in enumerate(victims)}
-        written: set[ChunkKey] = set()
-        for _, _, run in runs_of(moved_locs):
-            lo = new_pos[run.keys[0]]
-            contiguous = all(
-                new_pos[k] == lo + j * run.value_bytes for j, k in enumerate(run.keys)
-            )
+        new_slots = [_Slot(v.key, target, offsets[i], v.value_bytes) for i, v in enumerate(victims)]
+        written = [False] * len(victims)
+        # Write what was read into the new slots, run by run (staging is packed in
+        # victim order, and new offsets follow the same order).
+        good = [i for i in range(len(victims)) if ok[i]]
+        for first, _, run in runs_of([new_slots[i] for i in good]):
+            idx = good[first : first + run.n]
+            contiguous = all(starts[i] == starts[idx[0]] + j * run.value_bytes for j, i in enumerate(idx))
             try:
                 if contiguous:
+                    lo = starts[idx[0]]
                     dst_tier.write(run, view[lo : lo + run.nbytes])
                 else:
-                    for j, k in enumerate(run.keys):
-                        one = SlotRun(run.offset + j, (k,), run.value_bytes)
-                        dst_tier.write(one, view[new_pos[k] : new_pos[k] + run.value_bytes])
+                    for j, i in enumerate(idx):
+                        one = SlotRun(run.offset + j, (run.keys[j],), run.value_bytes)
+                        dst_tier.write(one, view[starts[i] : starts[i] + run.value_bytes])
             except TierError as exc:
                 self._tier_failed(target, "write", exc, run.n)
                 continue
-            written.update(run.keys)
+            for i in idx:
+                written[i] = True
         moved = 0
         with self._lock:
-            for i, v in enumerate(victims):
-                e = self._index.get(v.key)
-                new_off = offsets[i]
-                if e is None:  # cannot happen while busy, kept defensive
-                    dst_tier.release(new_off, 1)
-                    continue
-                e.busy -= 1
-                if v.key in written:
-                    self._release_locked(v.tier, v.key, e.offset, e.value_bytes)
-                    self._evict[v.tier].remove(v.key)
-                    e.tier, e.offset = target, new_off
-                    self._evict[target].insert(v.key, e.value_bytes)
+            for i, old in enumerate(victims):
+                e = self._index.get(old.key)
+                current = e is not None and e.slot is old
+                if current and written[i]:
+                    assert e is not None
+                    self._evict[old.tier].remove(old.key)
+                    e.slot = new_slots[i]
+                    e.moving = False
+                    self._evict[target].insert(old.key, old.value_bytes)
+                    self._retire_locked(old)
                     moved += 1
-                    if e.doomed and not e.busy:
-                        self._drop_locked(v.key, e)
                 else:
-                    dst_tier.release(new_off, 1)
-                    if drop_on_failure or e.doomed:
-                        self._drop_locked(v.key, e)
+                    dst_tier.release(new_slots[i].offset, 1)
+                    if current and drop_on_failure:
+                        assert e is not None
+                        e.moving = False
+                        self._remove_locked(old.key, e)
                         self._c["dropped_chunks"] += 1
+                    elif current:
+                        assert e is not None
+                        e.moving = False
+                self._unread_locked(old)
         return moved
 
     # -- index helpers (lock held) --------------------------------------------------------
 
-    def _drop_locked(self, key: ChunkKey, e: _Entry) -> None:
+    def _remove_locked(self, key: ChunkKey, e: _Entry) -> None:
+        """Take a chunk out of the index; its bytes go when the last reader is done."""
         del self._index[key]
-        self._evict[e.tier].remove(key)
-        self._release_locked(e.tier, key, e.offset, e.value_bytes)
+        self._evict[e.slot.tier].remove(key)
+        self._retire_locked(e.slot)
 
-    def _release_locked(self, t: int, key: ChunkKey, offset: int, value_bytes: int) -> None:
-        tier = self.tiers[t]
-        tier.forget(SlotRun(offset, (key,), value_bytes))
-        tier.release(offset, 1)
+    def _retire_locked(self, sl: _Slot) -> None:
+        sl.retired = True
+        if sl.readers == 0:
+            self._free_slot_locked(sl)
 
-    def _unbusy(self, keys: list[ChunkKey]) -> None:
+    def _unread_locked(self, sl: _Slot) -> None:
+        sl.readers -= 1
+        if sl.retired and sl.readers == 0:
+            self._free_slot_locked(sl)
+
+    def _free_slot_locked(self, sl: _Slot) -> None:
+        tier = self.tiers[sl.tier]
+        tier.forget(SlotRun(sl.offset, (sl.key,), sl.value_bytes))
+        tier.release(sl.offset, 1)
+
+    def _unread(self, slots: list[_Slot]) -> None:
         with self._lock:
-            for key in keys:
-                e = self._index.get(key)
-                if e is None:
-                    continue
-                e.busy -= 1
-                if e.doomed and not e.busy:
-                    self._drop_locked(key, e)
+            for sl in slots:
+                self._unread_locked(sl)
 
     # -- failures ------------------------------------------------------------------------
 
-    def _read_failed(self, t: int, run: SlotRun, exc: TierError) -> None:
+    def _read_failed(self, t: int, slots: list[_Slot], exc: TierError) -> None:
         corrupt = isinstance(exc, CorruptChunkError)
-        self._tier_failed(t, "read", exc, run.n)
-        # A run that failed to read is never served again: its chunks become misses.
+        n = len(slots)
+        self._tier_failed(t, "read", exc, n)
+        # A chunk that failed to read is never served again: it becomes a miss.
         with self._lock:
-            for key in run.keys:
-                e = self._index.get(key)
-                if e is not None:
-                    e.doomed = True
+            for sl in slots:
+                e = self._index.get(sl.key)
+                if e is not None and e.slot is sl:
+                    self._remove_locked(sl.key, e)
             if corrupt:
-                self._c["corrupt_chunks"] += run.n
+                self._c["corrupt_chunks"] += n
         if corrupt:
-            self._emit(StoreEvent(EventKind.CORRUPT, self.tiers[t].name, run.n, run.nbytes, str(exc)))
+            nbytes = sum(sl.value_bytes for sl in slots)
+            self._emit(StoreEvent(EventKind.CORRUPT, self.tiers[t].name, n, nbytes, str(exc)))
 
     def _tier_failed(self, t: int, op: str, exc: TierError, n: int) -> None:
         name = self.tiers[t].name
@@ -758,11 +808,11 @@ class TieredStore:
             recovered = 0
             for run in tier.recover():
                 for j, key in enumerate(run.keys):
+                    slot = _Slot(key, t, run.offset + j, run.value_bytes)
                     if key in self._index:  # a copy in a higher tier wins
-                        tier.forget(SlotRun(run.offset + j, (key,), run.value_bytes))
-                        tier.release(run.offset + j, 1)
+                        self._free_slot_locked(slot)
                         continue
-                    self._index[key] = _Entry(t, run.offset + j, run.value_bytes)
+                    self._index[key] = _Entry(slot)
                     self._evict[t].insert(key, run.value_bytes)
                     recovered += 1
             if recovered:

@@ -84,7 +84,8 @@ class SharedArena:
 
             if not torch.cuda.is_available():
                 raise RuntimeError("no CUDA device")
-            rc = torch.cuda.cudart().cudaHostRegister(self.address, self.size_bytes, 0)
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            rc = cudart.cudaHostRegister(self.address, self.size_bytes, 0)
             if int(rc) != 0:
                 raise RuntimeError(f"cudaHostRegister returned {rc}")
             self.pinned = True
@@ -100,7 +101,7 @@ class SharedArena:
         if self.pinned:
             import torch
 
-            torch.cuda.cudart().cudaHostUnregister(self.address)
+            torch.cuda.cudart().cudaHostUnregister(self.address)  # type: ignore[no-untyped-call]
             self.pinned = False
         del self.array
         try:

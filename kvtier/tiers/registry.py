@@ -23,6 +23,7 @@ BUILTIN_KINDS: dict[str, str] = {
     "host": "kvtier.tiers.host",
     "cxl": "kvtier.tiers.cxl",
     "gpu": "kvtier.tiers.gpu",
+    "nvme": "kvtier.tiers.nvme",
     "redis": "kvtier.tiers.redis",
 }
 

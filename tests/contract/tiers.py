@@ -30,7 +30,7 @@ def cxl_emulated(tmp: Path, slot: int, cap: int) -> Tier:
     from kvtier.tiers.cxl import CXLTier, Options
 
     # Fast emulated profile so the suite stays quick; the throttle path still runs.
-    return CXLTier("cxl", cap, slot, MAX_EXTENT, Options(emulate=Switch.ON, latency_us=1.0, bandwidth_gbps=200.0))
+    return CXLTier("cxl", cap, slot, MAX_EXTENT, Options(emulate=Switch.ON, latency_us=1.0, bandwidth_gbps=200.0, pin=Switch.OFF))
 
 
 def gpu(tmp: Path, slot: int, cap: int) -> Tier:
@@ -40,6 +40,15 @@ def gpu(tmp: Path, slot: int, cap: int) -> Tier:
     if not ok:
         pytest.skip(f"gpu tier needs CUDA: {why}")
     return GPUTier("gpu", cap, slot, MAX_EXTENT, Options())
+
+
+def nvme_posix(tmp: Path, slot: int, cap: int) -> Tier:
+    from kvtier.tiers.nvme import EngineKind, Options
+    from kvtier.tiers.nvme.tier import NVMeTier
+
+    # tmp_path is on the real disk here; O_DIRECT falls back to buffered I/O (logged)
+    # where the filesystem refuses it, and the contract holds either way.
+    return NVMeTier("nvme", cap, slot, MAX_EXTENT, Options(dir=str(tmp), engine=EngineKind.POSIX))
 
 
 def redis_single(tmp: Path, slot: int, cap: int) -> Tier:
@@ -72,6 +81,7 @@ TIER_FACTORIES: dict[str, TierFactory] = {
     "host": host,
     "cxl-emulated": cxl_emulated,
     "gpu": gpu,
+    "nvme-posix": nvme_posix,
     "redis": redis_single,
     "redis-cluster": redis_cluster,
 }

@@ -101,3 +101,21 @@ def test_parse_key() -> None:
         parse_key("zz")
     with pytest.raises(InputError):
         parse_key("ab" * 8)
+
+
+def test_c_and_python_token_packing_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvtier.keys as keys_mod
+
+    toks = [0, 1, 2**31 - 1, -(2**31), 70000, -5] * 100
+    fast = bytes(keys_mod.token_bytes(toks))
+    monkeypatch.setattr(keys_mod, "_pack_i32_c", None)
+    slow = bytes(keys_mod.token_bytes(toks))
+    assert fast == slow == np.array(toks, dtype="<i4").tobytes()
+    assert bytes(keys_mod.token_bytes(np.array(toks, dtype=np.int64))) == fast
+
+
+def test_token_ids_out_of_range_are_input_errors() -> None:
+    with pytest.raises(InputError):
+        hasher().keys([2**31] * 256)
+    with pytest.raises(InputError):
+        hasher().keys(np.zeros((2, 256), dtype=np.int32))

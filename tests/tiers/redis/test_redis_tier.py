@@ -180,6 +180,33 @@ def test_ttl_is_set_on_write(make, redis_server: RedisServer) -> None:
     assert redis_server.client().pttl(plain.redis_key(key(2))) == -1  # no expiry
 
 
+def bf16_like(n_bytes: int, seed: int = 0) -> np.ndarray:
+    """bf16 values of a smooth distribution (compressible high bytes, noisy low bytes)."""
+    f = np.random.default_rng(seed).normal(0, 1, n_bytes // 2).astype(np.float32)
+    return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+
+
+def test_lz4_codec_shrinks_kv_and_round_trips(make, redis_server: RedisServer) -> None:
+    tier = make(codec="lz4")
+    keys = [key(1), key(2)]
+    (e,) = tier.allocate(2)
+    run = SlotRun(e.offset, tuple(keys), SLOT)
+    data = np.concatenate([bf16_like(SLOT, 1), rand(SLOT, 2)])  # KV-like, then noise
+    tier.write(run, memoryview(data))
+    r = redis_server.client()
+    kv_value, noise_value = (r.get(tier.redis_key(k)) for k in keys)
+    assert kv_value[3] != wire.CODEC_RAW and len(kv_value) < wire.HEADER_BYTES + SLOT
+    assert noise_value[3] == wire.CODEC_RAW  # incompressible: stored raw
+    out = np.zeros_like(data)
+    tier.read(run, memoryview(out))
+    assert np.array_equal(out, data)
+    plain = make()  # a reader without the codec setting decodes it too (the header says)
+    assert plain.probe(keys) == (SLOT, SLOT)
+    r.setrange(tier.redis_key(key(1)), wire.HEADER_BYTES + 50, b"\xff\xff\xff\xff")
+    with pytest.raises(CorruptChunkError):
+        tier.read(run, memoryview(out))
+
+
 def test_batches_bounded_by_bytes_still_round_trip(make) -> None:
     tier = make(batch_bytes=3 * SLOT)  # three values per round trip at most
     runs, data = put(tier, [key(i) for i in range(20)], seed=9)

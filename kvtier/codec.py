@@ -1,0 +1,125 @@
+"""lz4 with byte-plane shuffle: a cheap codec for fp16/bf16 KV on slow tiers.
+
+Plain lz4 finds almost nothing to compress in raw fp16/bf16 KV (about 1.00x): the
+bytes of one value alternate between a high byte (sign, exponent, top of the
+mantissa), whose values repeat a lot, and a low byte that is close to noise. Splitting
+the buffer into byte planes first (all low bytes, then all high bytes) puts the
+repetitive high bytes next to each other, where lz4 finds them.
+
+Only the high plane is compressed; the low plane is stored as it is (lz4 finds nothing in
+it, and skipping it doubles the speed). A chunk whose ratio falls under ``min_ratio`` is
+stored raw (codec id 0), so incompressible
+data costs one compression attempt and nothing on read. ``lz4`` is imported on first use.
+Thread-safe (no shared state); lz4 releases the GIL while it works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvtier.errors import CorruptChunkError
+
+RAW = 0
+LZ4_SHUFFLE = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """One encoded chunk: ``codec`` is RAW (``payload`` is the input) or LZ4_SHUFFLE."""
+
+    codec: int
+    payload: Any  # a buffer: bytes, or the caller's own view when RAW
+
+
+def shuffle(data: np.ndarray, width: int = 2) -> np.ndarray:
+    """Byte planes of ``data`` (uint8, length a multiple of ``width``): plane 0 first."""
+    if width == 2:  # shifts and masks: ~30x faster than a strided transpose in numpy
+        u = data.view("<u2")
+        out = np.empty(data.nbytes, dtype=np.uint8)
+        np.bitwise_and(u, 0xFF, out=out[: u.size], casting="unsafe")
+        np.right_shift(u, 8, out=out[u.size :], casting="unsafe")
+        return out
+    return np.ascontiguousarray(data.reshape(-1, width).T).reshape(-1)
+
+
+def unshuffle(planes: np.ndarray, out: np.ndarray, width: int = 2) -> None:
+    """Inverse of :func:`shuffle`, written into ``out``."""
+    if width == 2:
+        n = planes.size // 2
+        u = out.view("<u2")
+        np.left_shift(planes[n:], 8, out=u, dtype=np.uint16)
+        np.bitwise_or(u, planes[:n], out=u)
+        return
+    out.reshape(-1, width)[:] = planes.reshape(width, -1).T
+
+
+_LEN = 4  # bytes of the compressed-plane length at the head of a shuffled payload
+
+
+def encode(data: np.ndarray, *, width: int = 2, min_ratio: float = 1.1) -> Encoded:
+    """Compress one chunk's bytes, or keep them raw when it does not pay.
+
+    With ``width`` 2 the high-byte plane (sign and exponent of bf16/fp16) is lz4-compressed
+    and the low-byte plane, close to noise, is stored as it is: the same ratio as
+    compressing both, at twice the speed. Payload: u32 length of the compressed plane,
+    the compressed plane, the raw plane.
+
+    Args:
+        data: the chunk, as a flat uint8 array.
+        width: bytes per element (2 for fp16/bf16; 1 turns the shuffle off).
+        min_ratio: raw size / compressed size under which the chunk stays raw.
+    """
+    import lz4.block
+
+    if data.nbytes % width or width not in (1, 2):
+        width = 1
+    if width == 2:
+        planes = shuffle(data, 2)
+        half = data.nbytes // 2
+        high = lz4.block.compress(planes[half:], store_size=False)
+        packed = len(high).to_bytes(_LEN, "little") + high + planes[:half].tobytes()
+    else:
+        packed = lz4.block.compress(data, store_size=False)
+    if len(packed) * min_ratio > data.nbytes:
+        return Encoded(RAW, data)
+    return Encoded(LZ4_SHUFFLE | (width << 4), packed)
+
+
+def decode(codec: int, payload: Any, out: np.ndarray) -> None:
+    """Decode a stored chunk into ``out`` (uint8, the chunk's raw length).
+
+    Raises:
+        CorruptChunkError: the payload does not decode to ``out.nbytes`` bytes.
+    """
+    if codec == RAW:
+        out[:] = np.frombuffer(payload, dtype=np.uint8, count=out.nbytes)
+        return
+    import lz4.block
+
+    width = codec >> 4
+    buf = memoryview(payload).cast("B")
+    try:
+        if width == 2:
+            half = out.nbytes // 2
+            n = int.from_bytes(buf[:_LEN], "little")
+            if _LEN + n + half != buf.nbytes:
+                raise CorruptChunkError(
+                    f"shuffled payload of {buf.nbytes} B does not match its header"
+                )
+            high = lz4.block.decompress(buf[_LEN : _LEN + n], uncompressed_size=half)
+            if len(high) != half:
+                raise CorruptChunkError(f"lz4 plane decodes to {len(high)} B, expected {half} B")
+            planes = np.empty(out.nbytes, dtype=np.uint8)
+            planes[:half] = np.frombuffer(buf[_LEN + n :], dtype=np.uint8)
+            planes[half:] = np.frombuffer(high, dtype=np.uint8)
+            unshuffle(planes, out, 2)
+            return
+        raw = lz4.block.decompress(buf, uncompressed_size=out.nbytes)
+    except lz4.block.LZ4BlockError as exc:
+        raise CorruptChunkError(f"lz4 payload does not decode: {exc}") from exc
+    if len(raw) != out.nbytes:
+        raise CorruptChunkError(f"lz4 payload decodes to {len(raw)} B, expected {out.nbytes} B")
+    out[:] = np.frombuffer(raw, dtype=np.uint8)

@@ -1,0 +1,477 @@
+"""I/O engines of the NVMe tier: one small interface, three implementations.
+
+* ``posix``: ``O_DIRECT`` ``pwritev``/``preadv`` on page-aligned buffers over a thread
+  pool (the calls release the GIL). Where the filesystem refuses ``O_DIRECT`` (EINVAL at
+  open), it falls back to buffered I/O and says so in the log; durability then rests on
+  ``fdatasync``, which the journal issues anyway.
+* ``kvikio``: NVIDIA kvikio (cuFile): GPUDirect Storage where the driver allows it, and
+  kvikio's own POSIX "compat mode" otherwise. Imported lazily; it needs libcuda even for
+  host buffers, so ``auto`` picks it only where libcuda loads.
+* ``uring`` was evaluated and dropped (docs/benchmarks.md, "NVMe tier"): it did not beat
+  ``posix`` at the 4-64 MiB transfers this tier does. :class:`UringEngine` stays here
+  only for the benchmark that made that call.
+
+An engine moves bytes between buffers and slab files; it knows nothing of chunks,
+checksums or the journal. Every error is an ``OSError`` (the tier translates it once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+PAGE = mmap.PAGESIZE
+O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+
+
+def buffer_address(buf: Any) -> int:
+    """Address of the first byte of a buffer-protocol object."""
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    return int(arr.ctypes.data)
+
+
+def is_aligned(buf: Any, align: int = PAGE) -> bool:
+    """Whether a buffer's address and length suit O_DIRECT."""
+    view = memoryview(buf)
+    return view.nbytes % align == 0 and buffer_address(view) % align == 0
+
+
+class BufferPool:
+    """Reusable page-aligned anonymous buffers (``mmap`` memory is page aligned).
+
+    Keeps freed buffers by size so steady-state I/O never faults in fresh pages.
+    Thread-safe. Grows to the peak number of buffers in use at once.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[mmap.mmap]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, nbytes: int) -> mmap.mmap:
+        size = (nbytes + PAGE - 1) // PAGE * PAGE
+        with self._lock:
+            stack = self._free.get(size)
+            if stack:
+                return stack.pop()
+        return mmap.mmap(-1, size)
+
+    def put(self, buf: mmap.mmap) -> None:
+        with self._lock:
+            self._free.setdefault(len(buf), []).append(buf)
+
+    def close(self) -> None:
+        with self._lock:
+            stacks, self._free = self._free, {}
+        for stack in stacks.values():
+            for buf in stack:
+                # A numpy view may still point into it; then the GC unmaps it later.
+                with contextlib.suppress(BufferError):
+                    buf.close()
+
+
+@dataclass(slots=True)
+class IORequest:
+    """One transfer between a buffer and a slab file.
+
+    Attributes:
+        file: index of the file, as returned by :meth:`IOEngine.open`.
+        offset: byte offset in the file (page aligned).
+        nbytes: bytes to move (page aligned).
+        buffer: the memory, or None when ``prepare`` provides it.
+        prepare: called before the transfer (on an engine thread for ``posix``): fills
+            a write buffer, or returns the buffer to use. May return None.
+        done: called after a successful transfer with the buffer (verify and copy out).
+        release: called last whatever happened (return a pooled buffer).
+    """
+
+    file: int
+    offset: int
+    nbytes: int
+    buffer: Any = None
+    prepare: Callable[[], Any] | None = None
+    done: Callable[[Any], None] | None = None
+    release: Callable[[Any], None] | None = None
+    result: int = field(default=0)
+
+
+class IOEngine(ABC):
+    """Moves page-aligned bytes between buffers and files. Thread-safe.
+
+    Args:
+        threads: transfers in flight at once.
+    """
+
+    name = "abstract"
+
+    def __init__(self, threads: int = 4) -> None:
+        self.threads = max(1, threads)
+        self.paths: list[Path] = []
+        self.direct: list[bool] = []
+
+    @abstractmethod
+    def open(self, path: Path, *, direct: bool) -> int:
+        """Open an existing file for reading and writing; returns its index.
+
+        Raises:
+            OSError: the file cannot be opened.
+        """
+
+    @abstractmethod
+    def write(self, reqs: Sequence[IORequest]) -> None:
+        """Run every request as a write; blocks until all are done.
+
+        Raises:
+            OSError: the first failure (the others still ran to completion).
+        """
+
+    @abstractmethod
+    def read(self, reqs: Sequence[IORequest]) -> None:
+        """Run every request as a read; a short read raises ``OSError(EIO)``."""
+
+    @abstractmethod
+    def sync(self) -> None:
+        """``fdatasync`` every file (data and the device's write cache)."""
+
+    @abstractmethod
+    def file_status(self, index: int) -> os.stat_result:
+        """``fstat`` of an open file (the tier checks for deletion and truncation)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close files and threads. Idempotent."""
+
+
+class PosixEngine(IOEngine):
+    """``O_DIRECT`` vectored I/O over a thread pool; buffered where O_DIRECT is refused."""
+
+    name = "posix"
+
+    def __init__(self, threads: int = 4) -> None:
+        super().__init__(threads)
+        self._fds: list[int] = []
+        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="kvtier-nvme")
+        self._closed = False
+
+    def _open_fd(self, path: Path, flags: int) -> int:
+        """The one place files are opened (tests inject refusals here)."""
+        return os.open(path, flags)
+
+    def open(self, path: Path, *, direct: bool) -> int:
+        flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
+        use_direct = direct and O_DIRECT != 0
+        fd = -1
+        if use_direct:
+            try:
+                fd = self._open_fd(path, flags | O_DIRECT)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                log.warning(
+                    "nvme: %s refuses O_DIRECT (%s); using buffered I/O plus fdatasync",
+                    path,
+                    exc.strerror,
+                )
+                use_direct = False
+        if fd < 0:
+            fd = self._open_fd(path, flags)
+        self._fds.append(fd)
+        self.paths.append(path)
+        self.direct.append(use_direct)
+        return len(self._fds) - 1
+
+    def _pwrite(self, fd: int, buf: Any, offset: int) -> int:
+        """The one place bytes are written (tests inject ENOSPC/EIO here)."""
+        return os.pwritev(fd, [buf], offset)
+
+    def _pread(self, fd: int, buf: Any, offset: int) -> int:
+        """The one place bytes are read (tests inject EIO here)."""
+        return os.preadv(fd, [buf], offset)
+
+    def _one(self, req: IORequest, writing: bool) -> None:
+        buf = req.buffer
+        try:
+            if req.prepare is not None:
+                got = req.prepare()
+                if got is not None:
+                    buf = got
+            view = memoryview(buf)[: req.nbytes]
+            fd = self._fds[req.file]
+            pos = 0
+            while pos < req.nbytes:  # a short transfer is legal; carry on from where it stopped
+                part = view[pos:]
+                n = (
+                    self._pwrite(fd, part, req.offset + pos)
+                    if writing
+                    else self._pread(fd, part, req.offset + pos)
+                )
+                if n <= 0:
+                    raise OSError(
+                        errno.EIO,
+                        f"short {'write' if writing else 'read'} at {req.offset + pos}"
+                        f" of {self.paths[req.file]} (truncated?)",
+                    )
+                pos += n
+            req.result = pos
+            if req.done is not None:
+                req.done(buf)
+        finally:
+            if req.release is not None:
+                req.release(buf)
+
+    def _run(self, reqs: Sequence[IORequest], writing: bool) -> None:
+        if self._closed:
+            raise OSError(errno.EBADF, "engine closed")
+        if len(reqs) == 1:  # no hand-off for the common single-piece case
+            self._one(reqs[0], writing)
+            return
+        futs: list[Future[None]] = [self._pool.submit(self._one, r, writing) for r in reqs]
+        first: BaseException | None = None
+        for f in futs:
+            exc = f.exception()
+            if exc is not None and first is None:
+                first = exc
+        if first is not None:
+            raise first
+
+    def write(self, reqs: Sequence[IORequest]) -> None:
+        self._run(reqs, True)
+
+    def read(self, reqs: Sequence[IORequest]) -> None:
+        self._run(reqs, False)
+
+    def sync(self) -> None:
+        for fd in self._fds:
+            os.fdatasync(fd)
+
+    def file_status(self, index: int) -> os.stat_result:
+        return os.fstat(self._fds[index])
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds = []
+
+
+class UringEngine(PosixEngine):
+    """io_uring through the ``liburing`` package: all requests of a call submitted at once.
+
+    Evaluated against :class:`PosixEngine` by ``kvtier bench nvme`` and not selectable
+    in the config (it did not win; see docs/benchmarks.md). Prepare/done callbacks run
+    on the caller's thread.
+    """
+
+    name = "uring"
+
+    def __init__(self, threads: int = 4, depth: int = 64) -> None:
+        super().__init__(threads)
+        import liburing  # the evaluation is the only user; keep the import local
+
+        self._lu = liburing
+        self._depth = depth
+        self._local = threading.local()
+
+    def _ring(self) -> Any:
+        ring = getattr(self._local, "ring", None)
+        if ring is None:
+            ring = self._lu.Ring()
+            rc = self._lu.io_uring_queue_init(self._depth, ring)
+            if rc not in (0, None):
+                raise OSError(-rc, "io_uring_queue_init failed")
+            self._local.ring = ring
+        return ring
+
+    def _run(self, reqs: Sequence[IORequest], writing: bool) -> None:
+        lu = self._lu
+        ring = self._ring()
+        bufs: list[Any] = []
+        iovs: list[Any] = []
+        try:
+            for req in reqs:
+                buf = req.buffer
+                if req.prepare is not None:
+                    got = req.prepare()
+                    if got is not None:
+                        buf = got
+                bufs.append(buf)
+            first: OSError | None = None
+            i = 0
+            while i < len(reqs):
+                batch = range(i, min(len(reqs), i + self._depth))
+                for j in batch:
+                    req = reqs[j]
+                    iov = lu.Iovec([memoryview(bufs[j])[: req.nbytes]])
+                    iovs.append(iov)
+                    sqe = lu.io_uring_get_sqe(ring)
+                    prep = lu.io_uring_prep_writev if writing else lu.io_uring_prep_readv
+                    prep(sqe, self._fds[req.file], iov, req.offset)
+                    lu.io_uring_sqe_set_data64(sqe, j)
+                lu.io_uring_submit(ring)
+                cqe = lu.Cqe()
+                for _ in batch:
+                    lu.io_uring_wait_cqe(ring, cqe)
+                    c = cqe[0]
+                    j, res = int(c.user_data), int(c.res)
+                    lu.io_uring_cqe_seen(ring, c)
+                    if res != reqs[j].nbytes and first is None:
+                        first = OSError(
+                            -res if res < 0 else errno.EIO, f"io_uring transfer returned {res}"
+                        )
+                    elif res == reqs[j].nbytes:
+                        reqs[j].result = res
+                        done = reqs[j].done
+                        if done is not None:
+                            done(bufs[j])
+                i = batch.stop
+            if first is not None:
+                raise first
+        finally:
+            for req, buf in zip(reqs, bufs, strict=False):
+                if req.release is not None:
+                    req.release(buf)
+
+
+class KvikioEngine(IOEngine):
+    """kvikio ``CuFile`` handles: GDS where cuFile allows it, kvikio's compat mode otherwise.
+
+    Buffers may be host memory or CUDA device memory (anything kvikio accepts).
+    """
+
+    name = "kvikio"
+
+    def __init__(self, threads: int = 4) -> None:
+        super().__init__(threads)
+        try:
+            import kvikio
+        except ImportError as exc:  # translated by the tier into a ConfigError
+            raise OSError(errno.ENOSYS, f"kvikio is not installed: {exc}") from exc
+        self._kvikio = kvikio
+        # kvikio splits each transfer over its own pool: give it as many threads as posix.
+        # In compat mode it writes with O_DIRECT but reads through the page cache unless
+        # told otherwise; the tier's reads must come from the device, as posix's do.
+        # (Set after the first H200 run, whose compat-mode reads were page-cache hits.)
+        for setting, val in (("thread_pool_nthreads", self.threads), ("auto_direct_io_read", True)):
+            try:
+                kvikio.defaults.set(setting, val)
+            except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+                log.info("nvme: kvikio keeps its own %s (%s)", setting, exc)
+        self._files: list[Any] = []
+        self._fds: list[int] = []
+
+    @property
+    def compat_mode(self) -> str:
+        """kvikio's compat mode setting (ON: POSIX I/O only, OFF: cuFile only, AUTO)."""
+        return str(self._kvikio.defaults.get("compat_mode"))
+
+    @property
+    def gds_available(self) -> bool:
+        """Whether the cuFile driver reports GPUDirect Storage as usable."""
+        try:
+            return bool(self._kvikio.cufile_driver.get("is_gds_available"))
+        except (RuntimeError, AttributeError):
+            return False
+
+    def open(self, path: Path, *, direct: bool) -> int:
+        self._files.append(self._kvikio.CuFile(str(path), "r+"))
+        self._fds.append(os.open(path, os.O_RDONLY))  # for fstat and fdatasync only
+        self.paths.append(path)
+        self.direct.append(direct)
+        return len(self._files) - 1
+
+    def _run(self, reqs: Sequence[IORequest], writing: bool) -> None:
+        futs = []
+        bufs = []
+        try:
+            for req in reqs:
+                buf = req.buffer
+                if req.prepare is not None:
+                    got = req.prepare()
+                    if got is not None:
+                        buf = got
+                bufs.append(buf)
+                f = self._files[req.file]
+                op = f.pwrite if writing else f.pread
+                futs.append(op(buf, req.nbytes, req.offset))
+            for req, fut, buf in zip(reqs, futs, bufs, strict=True):
+                n = int(fut.get())
+                if n != req.nbytes:
+                    raise OSError(errno.EIO, f"kvikio moved {n} of {req.nbytes} bytes")
+                req.result = n
+                if req.done is not None:
+                    req.done(buf)
+        except RuntimeError as exc:  # kvikio raises RuntimeError for I/O failures
+            raise OSError(errno.EIO, f"kvikio: {exc}") from exc
+        finally:
+            for req, buf in zip(reqs, bufs, strict=False):
+                if req.release is not None:
+                    req.release(buf)
+
+    def write(self, reqs: Sequence[IORequest]) -> None:
+        self._run(reqs, True)
+
+    def read(self, reqs: Sequence[IORequest]) -> None:
+        self._run(reqs, False)
+
+    def sync(self) -> None:
+        for fd in self._fds:
+            os.fdatasync(fd)
+
+    def file_status(self, index: int) -> os.stat_result:
+        return os.fstat(self._fds[index])
+
+    def close(self) -> None:
+        for f in self._files:
+            f.close()
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._files, self._fds = [], []
+
+
+def libcuda_loads() -> bool:
+    """Whether the CUDA driver library can be loaded (kvikio fails every call without it)."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def kvikio_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("kvikio") is not None
+
+
+def make_engine(name: str, threads: int) -> IOEngine:
+    """The engine a config names; ``auto`` is kvikio where libcuda and kvikio exist, else posix.
+
+    Raises:
+        OSError: kvikio asked for but not importable.
+    """
+    if name == "auto":
+        name = "kvikio" if libcuda_loads() and kvikio_importable() else "posix"
+    if name == "kvikio":
+        return KvikioEngine(threads)
+    if name == "posix":
+        return PosixEngine(threads)
+    raise ValueError(f"unknown engine {name!r}")

@@ -1,0 +1,98 @@
+"""Host and CXL specifics: shared memory, NUMA binding, CXL detection and emulation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier.config import Switch
+from kvtier.errors import ConfigError, TierUnavailableError
+from kvtier.keys import ChunkKey
+from kvtier.tiers import numa
+from kvtier.tiers.base import SlotRun
+from kvtier.tiers.cxl import CXLTier
+from kvtier.tiers.cxl import Options as CXLOptions
+from kvtier.tiers.host import HostTier, Options
+
+SLOT = 4096
+
+
+def test_host_arena_is_mappable_by_another_process() -> None:
+    tier = HostTier("h", 16 * SLOT, SLOT, 1 << 20, Options(pin=Switch.OFF))
+    try:
+        data = np.random.default_rng(1).integers(0, 256, size=SLOT, dtype=np.uint8)
+        (e,) = tier.allocate(1)
+        tier.write(SlotRun(e.offset, (ChunkKey(bytes(16)),), SLOT), memoryview(data))
+        code = (
+            "import mmap,sys,os;f=os.open(sys.argv[1],os.O_RDONLY);m=mmap.mmap(f,0,prot=mmap.PROT_READ);"
+            "o=int(sys.argv[2]);sys.stdout.write(m[o:o+4096].hex())"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code, tier.shm_path, str(e.offset * tier.slot_bytes)],
+            capture_output=True, text=True, check=True,
+        ).stdout
+        assert bytes.fromhex(out) == data.tobytes()
+    finally:
+        path = Path(tier.shm_path)
+        tier.close()
+    assert not path.exists()  # close removes the shared-memory file
+
+
+def test_bind_to_an_existing_node_and_refuse_a_missing_one() -> None:
+    nodes = numa.numa_nodes()
+    if not nodes:
+        pytest.skip("sysfs reports no NUMA nodes on this machine")
+    tier = HostTier("h", 8 * SLOT, SLOT, 1 << 20, Options(numa_node=nodes[0].node_id, pin=Switch.OFF))
+    tier.close()
+    with pytest.raises(TierUnavailableError, match="does not exist"):
+        HostTier("h", 8 * SLOT, SLOT, 1 << 20, Options(numa_node=999, pin=Switch.OFF))
+
+
+def _fake_node(root: Path, node: int, cpus: str, mem_kb: int) -> None:
+    d = root / f"node{node}"
+    d.mkdir(parents=True)
+    (d / "cpulist").write_text(cpus + "\n")
+    (d / "meminfo").write_text(f"Node {node} MemTotal:       {mem_kb} kB\nNode {node} MemFree: 1 kB\n")
+
+
+def test_cxl_candidates_are_cpuless_nodes_with_memory(tmp_path: Path) -> None:
+    _fake_node(tmp_path, 0, "0-31", 1 << 20)
+    _fake_node(tmp_path, 1, "", 1 << 26)  # a CXL expander: memory, no CPUs
+    _fake_node(tmp_path, 2, "", 0)  # an empty node is not a candidate
+    assert [n.node_id for n in numa.cxl_candidates(tmp_path)] == [1]
+    assert numa.numa_nodes(tmp_path)[1].mem_total_bytes == (1 << 26) * 1024
+
+
+def test_cxl_without_hardware_is_emulated_or_refused() -> None:
+    if numa.cxl_candidates():
+        pytest.skip("this machine has a CPU-less NUMA node")
+    tier = CXLTier("c", 8 * SLOT, SLOT, 1 << 20, CXLOptions(pin=Switch.OFF))
+    try:
+        assert tier.emulated and tier.stats().emulated
+    finally:
+        tier.close()
+    with pytest.raises(ConfigError, match="emulate"):
+        CXLTier("c", 8 * SLOT, SLOT, 1 << 20, CXLOptions(emulate=Switch.OFF, pin=Switch.OFF))
+
+
+def test_emulated_cxl_injects_its_latency() -> None:
+    # Behaviour, not timing: the throttle must sleep for the configured latency.
+    slept: list[float] = []
+    tier = CXLTier("c", 8 * SLOT, SLOT, 1 << 20, CXLOptions(emulate=Switch.ON, latency_us=5000, pin=Switch.OFF))
+    try:
+        import kvtier.tiers.cxl as cxl_mod
+
+        real = cxl_mod.time.sleep
+        cxl_mod.time.sleep = lambda s: slept.append(s)  # type: ignore[assignment]
+        try:
+            (e,) = tier.allocate(1)
+            tier.write(SlotRun(e.offset, (ChunkKey(bytes(16)),), SLOT), memoryview(bytes(SLOT)))
+        finally:
+            cxl_mod.time.sleep = real
+        assert slept and 0 < slept[0] <= 5e-3
+    finally:
+        tier.close()
