@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import override
 
-from kvtier.errors import ConfigError, CorruptChunkError, TierIOError
+from kvtier.errors import ConfigError, CorruptChunkError, PluginError, TierIOError
 from kvtier.keys import ChunkKey, Namespace
 from kvtier.tiers.base import SlotRun, Tier, TierProfile
 from kvtier.tiers.redis import wire
@@ -69,8 +69,8 @@ class Options:
     # Reconnect backoff of a failed node: doubles from min to max, in seconds.
     backoff_min_s: float = 0.05
     backoff_max_s: float = 5.0
-    # Value codec: "none", or "lz4" (kvtier.codec's lz4 over byte planes; pays where the
-    # network is the bottleneck and the KV compresses, about 1.2-1.4x on bf16 KV).
+    # Value codec: "none", or "lz4-shuffle" (kvtier.codec: lz4 over byte planes; pays
+    # where the network is the bottleneck and the KV compresses). Needs lz4.
     codec: str = "none"
     # Bytes per KV element for the lz4 byte-plane shuffle (2 for fp16/bf16, 1 for fp8).
     codec_element_bytes: int = 2
@@ -97,8 +97,8 @@ class Options:
             raise ConfigError("streams_per_node", self.streams_per_node, "an integer in [1, 64]")
         if not 1 <= self.fanout_threads <= 256:
             raise ConfigError("fanout_threads", self.fanout_threads, "an integer in [1, 256]")
-        if self.codec not in ("none", "lz4"):
-            raise ConfigError("codec", self.codec, "none or lz4")
+        if self.codec not in ("none", "lz4-shuffle"):
+            raise ConfigError("codec", self.codec, "none or lz4-shuffle")
         if self.codec_element_bytes not in (1, 2, 4):
             raise ConfigError("codec_element_bytes", self.codec_element_bytes, "1, 2 or 4")
         if not self.key_prefix:
@@ -158,7 +158,14 @@ class RedisTier(Tier):
             streams=opts.streams_per_node,
         )
         self._px = int(opts.ttl_s * 1000) if opts.ttl_s > 0 else None
-        self._compress = opts.codec == "lz4"
+        self._compress = opts.codec == "lz4-shuffle"
+        if self._compress:
+            try:
+                import lz4.block  # noqa: F401 - fail at start-up, not on the first put
+            except ImportError as exc:
+                raise PluginError(
+                    f"tier {name}: codec lz4-shuffle needs lz4 (pip install 'kvtier[nvme]')"
+                ) from exc
         self._closed = False
         self.bind(namespace or Namespace("", "unbound", 0))
 

@@ -187,7 +187,7 @@ def bf16_like(n_bytes: int, seed: int = 0) -> np.ndarray:
 
 
 def test_lz4_codec_shrinks_kv_and_round_trips(make, redis_server: RedisServer) -> None:
-    tier = make(codec="lz4")
+    tier = make(codec="lz4-shuffle")
     keys = [key(1), key(2)]
     (e,) = tier.allocate(2)
     run = SlotRun(e.offset, tuple(keys), SLOT)
