@@ -135,7 +135,7 @@ class RedisClusterProcs:
                 args=(
                     "--cluster-enabled", "yes",
                     "--cluster-config-file", "nodes.conf",
-                    "--cluster-node-timeout", "1000",
+                    "--cluster-node-timeout", "5000",  # a loaded 2-core box stalls for seconds
                     # Live masters keep serving their slots while another is down.
                     "--cluster-require-full-coverage", "no",
                 ),
