@@ -17,7 +17,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import ipaddress
 import os
+import re
 import tomllib
 import types
 import typing
@@ -25,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from kvtier.errors import ConfigError
@@ -88,12 +91,47 @@ class TierSection:
 
 
 @dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    """The REST daemon (``kvtier serve``): where it listens, who may use it, its limits."""
+
+    # Address to bind. Anything but loopback requires at least one token (the daemon
+    # refuses to start without one).
+    host: str = "127.0.0.1"
+    # TCP port to listen on.
+    port: int = 8470
+    # Tenant name -> bearer token. Empty: no authentication, allowed on loopback only,
+    # and every request belongs to the anonymous tenant "". Set tokens through the
+    # environment (KVTIER_SERVICE__TOKENS__ALICE=...) to keep them out of files.
+    tokens: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), repr=False)
+    # Secret that separates tenants' key spaces inside the store. Empty: a random salt
+    # per process, so chunks a persistent tier recovers after a restart are unreachable.
+    key_salt: str = field(default="", repr=False)
+    # Largest value (one chunk) the daemon accepts; also the store's slot size.
+    # 0: the bytes of one chunk of [model] (store.chunk_tokens tokens).
+    max_value_bytes: int = 0
+    # Largest request body, and largest batch-get response, in bytes.
+    max_body_bytes: int = 256 * 1024 * 1024
+    # Most keys in one lookup, batch get or batch put.
+    max_batch_keys: int = 1024
+    # Seconds uvicorn waits for in-flight requests on shutdown before closing the store.
+    shutdown_timeout_s: float = 10.0
+    # A directory for what must outlive the process: when set and no [[tiers]] entry is
+    # an nvme tier, the daemon adds one of data_capacity_bytes under <data_dir>/nvme, and
+    # keeps a generated key_salt in <data_dir>/key_salt (mode 0600) so the chunks it
+    # recovers after a restart stay reachable. Empty: memory tiers only.
+    data_dir: str = ""
+    # Capacity of the nvme tier that data_dir adds.
+    data_capacity_bytes: int = 8 * GiB
+
+
+@dataclass(frozen=True, slots=True)
 class KVTierConfig:
     """The whole configuration. Build with :func:`load_config`."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     tiers: tuple[TierSection, ...] = ()
+    service: ServiceConfig = field(default_factory=ServiceConfig)
     # Python logging level name for kvtier's loggers.
     log_level: str = "INFO"
 
@@ -237,6 +275,59 @@ def _validate(cfg: KVTierConfig) -> None:
         raise ConfigError("log_level", cfg.log_level, "DEBUG, INFO, WARNING, ERROR or CRITICAL")
     if not 0 <= cfg.model.tp_rank < cfg.model.tp_size:
         raise ConfigError("model.tp_rank", cfg.model.tp_rank, f"in [0, {cfg.model.tp_size})")
+    _validate_service(cfg.service)
+
+
+_TENANT_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
+MIN_TOKEN_CHARS = 16
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` names only this machine (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost may resolve anywhere
+        return False
+
+
+def _validate_service(s: ServiceConfig) -> None:
+    if not s.host:
+        raise ConfigError("service.host", s.host, "an address such as 127.0.0.1")
+    if not 0 <= s.port <= 65535:
+        raise ConfigError("service.port", s.port, "a port in [0, 65535] (0: any free port)")
+    for tenant, token in s.tokens.items():
+        if not _TENANT_RE.fullmatch(tenant):
+            raise ConfigError(
+                f"service.tokens.{tenant}", "<redacted>", "a tenant name of [a-z0-9_.-], 1-64 chars"
+            )
+        if len(token) < MIN_TOKEN_CHARS or not token.isascii() or not token.isprintable():
+            raise ConfigError(
+                f"service.tokens.{tenant}",
+                "<redacted>",
+                f"a token of at least {MIN_TOKEN_CHARS} printable ASCII characters",
+            )
+    if len(set(s.tokens.values())) != len(s.tokens):
+        raise ConfigError("service.tokens", "<redacted>", "a different token for each tenant")
+    if not s.tokens and not is_loopback(s.host):
+        raise ConfigError(
+            "service.tokens",
+            "{}",
+            f"at least one token: the daemon binds {s.host!r}, which is not loopback",
+        )
+    if s.max_value_bytes < 0:
+        raise ConfigError(
+            "service.max_value_bytes", s.max_value_bytes, "0 (the chunk size) or more"
+        )
+    if s.max_body_bytes < 4096:
+        raise ConfigError("service.max_body_bytes", s.max_body_bytes, "at least 4KiB")
+    if not 1 <= s.max_batch_keys <= 1 << 20:
+        raise ConfigError("service.max_batch_keys", s.max_batch_keys, "an integer in [1, 1048576]")
+    if s.data_capacity_bytes < 1:
+        raise ConfigError("service.data_capacity_bytes", s.data_capacity_bytes, "a positive size")
+    if s.shutdown_timeout_s < 0:
+        raise ConfigError("service.shutdown_timeout_s", s.shutdown_timeout_s, "a number >= 0")
 
 
 def build_dataclass(cls: type[T], raw: Mapping[str, Any], where: str) -> T:
@@ -318,6 +409,16 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(key, value, "a string")
+    if origin in (dict, Mapping):
+        # Only Mapping[str, str] is used (service.tokens); frozen as a read-only proxy.
+        if not isinstance(value, Mapping):
+            raise ConfigError(key, value, "a table of names to strings")
+        out: dict[str, str] = {}
+        for k, v in value.items():
+            if not isinstance(v, (str, int)) or isinstance(v, bool):
+                raise ConfigError(f"{key}.{k}", "<redacted>", "a string")
+            out[str(k)] = str(v)
+        return MappingProxyType(out)
     if origin is tuple:
         if isinstance(value, str):
             value = [v for v in value.split(",") if v]

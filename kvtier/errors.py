@@ -17,6 +17,7 @@ happen, with ``raise ... from exc``::
     │   ├── CorruptChunkError  bytes or metadata failed verification
     │   └── TierUnavailableError  the tier cannot run here (no CUDA, no NUMA node)
     └── TransportError       the daemon or a remote tier could not be reached
+        └── AuthError        the daemon refused the bearer token (a config problem)
 
 Lower-tier failures never escape the store as exceptions: they become misses, a
 counter and one log line (STYLE.md, rule 5).
@@ -84,3 +85,7 @@ class TierUnavailableError(TierError):
 
 class TransportError(KVTierError):
     """A daemon or remote tier could not be reached or answered badly."""
+
+
+class AuthError(TransportError):
+    """The daemon refused the credentials (401/403): fix the token, retrying will not help."""

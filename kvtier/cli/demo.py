@@ -84,7 +84,9 @@ class ChunkBytes:
 def run_demo(cfg: KVTierConfig, *, sequences: int, trace: Path | None, seed: int) -> bool:
     """Run the demo; True when every loaded byte verified."""
     console = Console()
-    built = build_store(cfg)
+    # The seed picks the demo's KV bytes, so it is part of the key namespace: a persistent
+    # tier holding another seed's chunks must miss, not fail verification.
+    built = build_store(cfg, tenant=f"kvtier-demo-seed-{seed}")
     store, spec, hasher = built.store, built.spec, built.hasher
     chunk_tokens = cfg.store.chunk_tokens
     chunk_bytes = spec.chunk_bytes(chunk_tokens)
@@ -134,7 +136,7 @@ def run_demo(cfg: KVTierConfig, *, sequences: int, trace: Path | None, seed: int
                     data = buf[: len(new) * chunk_bytes]
                     for i, k in enumerate(new):
                         gen.fill(k, data[i * chunk_bytes : (i + 1) * chunk_bytes])
-                    store.put(new, data).result()
+                    store.put(new, data, prefix=keys[:hits]).result()
                     moved_bytes += data.nbytes
                 progress.advance(task)
             second = {"chunks": 0, "hits": 0}

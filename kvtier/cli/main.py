@@ -1,4 +1,4 @@
-"""``kvtier``: info, demo, bench (and later serve, calc).
+"""``kvtier``: info, demo, serve, bench (and later calc).
 
 Each command imports what it needs when it runs, so ``kvtier --help`` stays fast and a
 missing optional dependency only affects the command that needs it.
@@ -73,6 +73,45 @@ def demo(
     _setup_logging(cfg.log_level)
     ok = run_demo(cfg, sequences=sequences, trace=trace, seed=seed)
     raise typer.Exit(0 if ok else 1)
+
+
+@app.command()
+def serve(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    host: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="Address to bind (default 127.0.0.1; anything else needs tokens)."),
+    ] = None,
+    port: Annotated[
+        Optional[int],  # noqa: UP045
+        typer.Option(help="TCP port (default 8470)."),
+    ] = None,
+    data_dir: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option(help="Keep an nvme tier and the key salt here: the cache outlives restarts."),
+    ] = None,
+) -> None:
+    """Run the cache daemon: the tiered store over REST (see docs/operations.md)."""
+    from kvtier.config import load_config
+
+    overrides = list(set_ or ())
+    if host is not None:
+        overrides.append(f"service.host={host}")
+    if port is not None:
+        overrides.append(f"service.port={port}")
+    if data_dir is not None:
+        overrides.append(f"service.data_dir={data_dir}")
+    cfg = load_config(config, overrides=tuple(overrides))
+    _setup_logging(cfg.log_level)
+    try:
+        from kvtier.service.server import serve as run_server
+    except ImportError as exc:
+        console.print(
+            f"[red]error:[/red] the daemon needs the service extra: pip install 'kvtier[service]' ({exc})"
+        )
+        raise typer.Exit(2) from None
+    run_server(cfg)
 
 
 @app.command(

@@ -172,8 +172,15 @@ class TieredStore:
 
     # -- public API ----------------------------------------------------------------------
 
-    def put(self, keys: Sequence[ChunkKey], data: Buffer) -> Future[PutResult]:
+    def put(
+        self, keys: Sequence[ChunkKey], data: Buffer, *, prefix: Sequence[ChunkKey] = ()
+    ) -> Future[PutResult]:
         """Store chunks whose values lie packed in ``data`` (equal length each).
+
+        ``prefix`` names the already-stored chunks that precede ``keys`` in the same
+        sequence (typically the hit that ``lookup`` returned). They are protected from
+        eviction while this put makes room: a sequence longer than the store would
+        otherwise push out its own head, leaving every new chunk unreachable.
 
         ``len(data)`` must be ``len(keys) * value_bytes`` with ``value_bytes`` at most
         :attr:`slot_bytes`. The caller must keep ``data`` alive and unchanged until the
@@ -196,7 +203,7 @@ class TieredStore:
         value_bytes = view.nbytes // len(keys)
         if not 0 < value_bytes <= self.slot_bytes:
             raise InputError(f"chunk of {value_bytes} B; the store takes 1..{self.slot_bytes} B")
-        return self._submit(self._put, keys, view, value_bytes)
+        return self._submit(self._put, keys, view, value_bytes, list(prefix))
 
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
         """How many leading ``keys`` are present, and in which tiers. Thread-safe.
@@ -329,10 +336,20 @@ class TieredStore:
             self._idle.wait_for(lambda: self._inflight == 0)
 
     def flush(self) -> None:
-        """Wait for queued work, then make persistent tiers durable."""
+        """Wait for queued work, then make persistent tiers durable.
+
+        A tier that fails to flush (a full disk) is logged and counted, never raised:
+        its chunks that did not become durable are lost on restart, which is a miss.
+        """
         self.drain()
-        for t in self.tiers:
+        for i, t in enumerate(self.tiers):
+            self._flush_tier(i, t)
+
+    def _flush_tier(self, i: int, t: Tier) -> None:
+        try:
             t.flush()
+        except TierError as exc:
+            self._tier_failed(i, "flush", exc, 0)
 
     def close(self) -> None:
         """Finish queued work, flush and close every tier. Idempotent."""
@@ -341,11 +358,14 @@ class TieredStore:
         self.drain()
         self._closed = True
         self._pool.shutdown(wait=True)
-        for t in self.tiers:
+        for i, t in enumerate(self.tiers):
             try:
-                t.flush()
+                self._flush_tier(i, t)
             finally:
-                t.close()
+                try:
+                    t.close()
+                except TierError as exc:
+                    self._tier_failed(i, "close", exc, 0)
 
     def __enter__(self) -> TieredStore:
         return self
@@ -373,7 +393,19 @@ class TieredStore:
 
     # -- workers -------------------------------------------------------------------------
 
-    def _put(self, keys: list[ChunkKey], view: memoryview, value_bytes: int) -> PutResult:
+    def _put(
+        self, keys: list[ChunkKey], view: memoryview, value_bytes: int, prefix: list[ChunkKey]
+    ) -> PutResult:
+        with self._lock:
+            held = [k for k in prefix if k in self._index]
+            for k in held:
+                self._index[k].pins += 1
+        try:
+            return self._put_pinned(keys, view, value_bytes)
+        finally:
+            self.unpin(held)
+
+    def _put_pinned(self, keys: list[ChunkKey], view: memoryview, value_bytes: int) -> PutResult:
         with self._lock:
             fresh = [
                 (i, k) for i, k in enumerate(keys) if k not in self._index and k not in self._pending
@@ -397,7 +429,10 @@ class TieredStore:
                 extents = None
                 for _ in range(3):  # another put may take the room we made; try again
                     if not self._make_room(t, take):
-                        break
+                        # Pinned or busy chunks hold part of the tier: store what fits.
+                        take = min(take, self._attainable_slots(t))
+                        if take < 1 or not self._make_room(t, take):
+                            break
                     extents = self.tiers[t].allocate(take)
                     if extents is not None:
                         break
@@ -606,6 +641,16 @@ class TieredStore:
                 with self._lock:
                     self._drop_movers_locked(t, victims)
         return tier.free_slots >= n
+
+    def _attainable_slots(self, t: int) -> int:
+        """Free slots of tier ``t`` plus those its evictable chunks hold."""
+        with self._lock:
+            evictable = sum(
+                1
+                for e in self._index.values()
+                if e.slot.tier == t and not (e.pins or e.moving or e.slot.readers)
+            )
+            return self.tiers[t].free_slots + evictable
 
     def _pick_victims_locked(self, t: int, deficit: int) -> list[_Slot]:
         keys: list[ChunkKey] = []

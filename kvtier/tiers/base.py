@@ -85,6 +85,9 @@ class TierStats:
     write_ops: int
     read_ops: int
     emulated: bool
+    # Bytes that reached the medium (after codecs, with padding and journals): what
+    # wears an SSD. Equal to bytes_written for tiers that add nothing.
+    media_bytes_written: int = 0
 
 
 class Tier(ABC):
@@ -245,7 +248,12 @@ class Tier(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the tier's resources. Idempotent."""
 
+    def media_bytes_written(self) -> int:
+        """Bytes written to the medium itself; tiers with codecs or journals override."""
+        return self._bytes_written
+
     def stats(self) -> TierStats:
+        media = self.media_bytes_written()
         with self._alloc_lock:
             a = self._alloc.stats()
         with self._stat_lock:
@@ -262,4 +270,5 @@ class Tier(ABC):
                 write_ops=self._write_ops,
                 read_ops=self._read_ops,
                 emulated=self.emulated,
+                media_bytes_written=media,
             )

@@ -152,3 +152,14 @@ def test_failing_tier_read_is_a_miss_not_an_exception() -> None:
         assert st.tier_errors == 1
         # Chunks that failed to read are never served again.
         assert store.lookup(ks).hits == 0
+
+
+def test_put_protects_its_prefix_from_its_own_eviction() -> None:
+    with TieredStore([host("only", 8)], io_threads=1) as store:
+        head = [key(0)]
+        store.put(head, rand(SLOT)).result()
+        long_tail = [key(i) for i in range(1, 12)]  # longer than the whole store
+        r = store.put(long_tail, rand(11 * SLOT, 1), prefix=head).result()
+        assert r.stored == 7
+        # The head survived, so the stored part of the sequence is reachable.
+        assert store.lookup(head + long_tail).hits == 8

@@ -609,6 +609,10 @@ class NVMeTier(Tier):
         _unlock(self._lock_fd)
         self._lock_fd = -1
 
+    @override
+    def media_bytes_written(self) -> int:
+        return self.nvme_stats().media_bytes_written
+
     def nvme_stats(self) -> NVMeStats:
         """Counters specific to this tier (media bytes for the endurance budget, faults)."""
         j = self._journal

@@ -1,0 +1,67 @@
+"""The batch body format: packing, parsing, and refusal of every malformed table."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from kvtier.service import wire
+
+from kvtier.errors import InputError
+
+
+@given(st.lists(st.binary(min_size=1, max_size=64), max_size=20))
+def test_pack_parse_round_trip(values: list[bytes]) -> None:
+    keys = [os.urandom(16) for _ in values]
+    batch = wire.parse(wire.pack(keys, values), max_count=20, max_value_bytes=64)
+    assert list(batch.keys) == keys
+    assert [bytes(batch.value(i)) for i in range(len(values))] == values
+    runs = wire.runs(batch)
+    assert sum(r.count for r in runs) == len(values)
+    for r in runs:
+        assert bytes(r.data) == b"".join(values[r.start : r.start + r.count])
+        assert {len(v) for v in values[r.start : r.start + r.count]} == {r.value_bytes}
+
+
+def _body(
+    entries: list[tuple[int, int]], payload: bytes, payload_offset: int | None = None
+) -> bytes:
+    start = wire.table_bytes(len(entries)) if payload_offset is None else payload_offset
+    head = struct.pack("<4sHHII", b"KVTB", 1, 0, len(entries), start)
+    table = b"".join(os.urandom(16) + struct.pack("<QQ", o, n) for o, n in entries)
+    pad = bytes(max(0, start - len(head) - len(table)))
+    return head + table + pad + payload
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        (b"KVTB", "shorter than"),
+        (struct.pack("<4sHHII", b"KVTB", 2, 0, 0, 16), "version 2"),
+        (struct.pack("<4sHHII", b"KVTB", 1, 8, 0, 16), "flags"),
+        (struct.pack("<4sHHII", b"KVTB", 1, 0, 1, 16), "payload_offset"),
+        (_body([(0, 0)], b"x"), "entry 0: value of 0 B"),
+        (_body([(0, 2)], b"x"), "past the payload"),
+        (_body([(5, 1)], b"x"), "offset 5"),
+        (_body([(0, 2), (1, 1)], b"xyz"), "overlaps"),
+        (_body([(0, 1 << 63)], b"x"), "entry 0"),
+        (_body([(0, 65)], bytes(65)), "1..64"),
+        (_body([(0, 1)] * 3, b"x"), "limit is 2"),
+    ],
+)
+def test_malformed_bodies_are_refused_naming_the_problem(body: bytes, match: str) -> None:
+    with pytest.raises(InputError, match=match):
+        wire.parse(body, max_count=2, max_value_bytes=64)
+
+
+def test_padding_and_gaps_are_allowed() -> None:
+    batch = wire.parse(
+        _body([(0, 2), (8, 3)], b"ab______cde", payload_offset=4096),
+        max_count=2,
+        max_value_bytes=64,
+    )
+    assert [bytes(batch.value(i)) for i in range(2)] == [b"ab", b"cde"]
+    assert len(wire.runs(batch)) == 2
