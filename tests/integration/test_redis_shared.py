@@ -1,7 +1,8 @@
 """The shared Redis tier with real servers: two processes, and the faults of issue 7.
 
-Two plain Python processes stand in for two machines (the REST daemon lives on another
-branch): each builds its own store from a config (own host tier, the same Redis).
+Two plain Python processes stand in for two machines: each builds its own store from a
+config through ``build_store`` (own host tier, the same Redis, tenant "acme").
+``test_redis_daemons.py`` does the same with two ``kvtier serve`` daemons.
 Fault tests own their servers (``fresh_redis``, ``fresh_cluster``) so stopping, filling
 or killing one never disturbs another test. No test here measures time: a budget shows
 as a miss where waiting would have been a hit.
