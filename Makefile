@@ -1,7 +1,13 @@
-# The two commands of the README.
-.PHONY: demo test lint
+# The two commands of the README: `make serve` (the main job) and `make test`.
+.PHONY: serve demo test lint
 
-# Set up (idempotent) and run the main job on the embedded default configuration.
+# Set up (idempotent) and run the main job: the cache daemon on the embedded default
+# configuration (host tier + an nvme tier under ~/.local/share/kvtier, 127.0.0.1:8470).
+serve:
+	scripts/setup.sh core
+	.venv/bin/kvtier serve
+
+# Set up (idempotent) and replay real prompts through the default store, verifying bytes.
 demo:
 	scripts/setup.sh core
 	.venv/bin/kvtier demo

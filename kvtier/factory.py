@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
-from kvtier.config import KVTierConfig, ModelConfig
+from kvtier.config import KVTierConfig, ModelConfig, TierSection
 from kvtier.keys import ChunkHasher, Namespace
 from kvtier.spec import KVSpec, preset
 from kvtier.store.policy import PlacementPolicy, eviction_factory
 from kvtier.store.store import TieredStore
 from kvtier.tiers.base import Tier
 from kvtier.tiers.registry import create_tier
+
+
+def with_nvme_under(cfg: KVTierConfig, directory: str | Path, capacity_bytes: int) -> KVTierConfig:
+    """``cfg`` plus an nvme tier in ``directory``, unless ``cfg`` already has one."""
+    if any(t.kind == "nvme" for t in cfg.tiers):
+        return cfg
+    from kvtier.tiers.registry import tier_options_class
+
+    options = tier_options_class("nvme")(dir=str(directory), create_dirs=True)
+    section = TierSection("nvme", "nvme", capacity_bytes, options)
+    return dataclasses.replace(cfg, tiers=(*cfg.tiers, section))
 
 
 def spec_from_model(model: ModelConfig) -> KVSpec:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up .venv idempotently. Usage: scripts/setup.sh [core|test]
-#   core: kvtier and its runtime dependencies (enough for `kvtier demo`).
+#   core: kvtier, the daemon's dependencies and lz4 (enough for `kvtier serve` and `kvtier demo`).
 #   test: everything the test suite needs: dev tools, torch (CPU), vLLM (CPU build),
 #         the service and redis extras, and Debian's redis-server.
 # A stamp file keyed on this script and pyproject.toml skips work already done.
@@ -16,7 +16,7 @@ stamp=".venv/.setup-${mode}-$(cat pyproject.toml scripts/setup.sh | sha1sum | cu
 if [ ! -f "$stamp" ]; then
   "${pip[@]}" install -q --upgrade pip
   if [ "$mode" = core ]; then
-    "${pip[@]}" install -q -e .
+    "${pip[@]}" install -q -e ".[service,nvme]"
   else
     # torch first and pinned: an unpinned torch would pull the multi-GB CUDA build.
     "${pip[@]}" install -q "torch==2.13.0"

@@ -109,7 +109,7 @@ class Daemon:
         self.auth = Authenticator(s.tokens)
         salt = s.key_salt
         if not salt and s.data_dir:
-            salt = load_or_create_salt(FsPath(s.data_dir) / "key_salt")
+            salt = load_or_create_salt(FsPath(s.data_dir).expanduser() / "key_salt")
         self.mapper = KeyMapper(salt)
         self.metrics = RequestMetrics()
         self.tenants = TenantCounters()

@@ -72,6 +72,7 @@ class TierStatsModel(Strict):
     write_ops: int
     read_ops: int
     emulated: bool
+    media_bytes_written: int = Field(0, description="Bytes that reached the medium (codec, padding, journal included).")
 
 
 class TenantStatsModel(Strict):

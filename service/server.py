@@ -7,11 +7,10 @@ shutdown, which flushes and closes the store (and so every tier).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 
-from kvtier.config import KVTierConfig, TierSection
+from kvtier.config import KVTierConfig
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +46,9 @@ def serve(cfg: KVTierConfig) -> None:
 
 def with_data_dir(cfg: KVTierConfig) -> KVTierConfig:
     """``cfg`` plus an nvme tier under ``service.data_dir``, unless it has one already."""
-    s = cfg.service
-    if not s.data_dir or any(t.kind == "nvme" for t in cfg.tiers):
-        return cfg
-    from kvtier.tiers.registry import tier_options_class
+    from kvtier.factory import with_nvme_under
 
-    options = tier_options_class("nvme")(dir=str(Path(s.data_dir) / "nvme"), create_dirs=True)
-    section = TierSection("nvme", "nvme", s.data_capacity_bytes, options)
-    return dataclasses.replace(cfg, tiers=(*cfg.tiers, section))
+    s = cfg.service
+    if not s.data_dir:
+        return cfg
+    return with_nvme_under(cfg, Path(s.data_dir).expanduser() / "nvme", s.data_capacity_bytes)

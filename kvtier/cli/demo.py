@@ -24,13 +24,16 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvtier.config import KVTierConfig
-from kvtier.factory import build_store
+from kvtier.factory import build_store, with_nvme_under
 from kvtier.keys import ChunkKey
-from kvtier.units import format_size
+from kvtier.units import GiB, format_size
 
 TRACE_BLOCK_TOKENS = 512
 DEFAULT_TRACE = Path("../shared/data/mooncake/conversation_trace.jsonl")
 _POOL_BYTES = 64 << 20
+# Unless the config has an nvme tier, the demo keeps one here (it outlives the run, so a
+# second run starts with the chunks the first one left).
+DEMO_DATA_DIR = "~/.local/share/kvtier/demo-nvme"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +89,7 @@ def run_demo(cfg: KVTierConfig, *, sequences: int, trace: Path | None, seed: int
     console = Console()
     # The seed picks the demo's KV bytes, so it is part of the key namespace: a persistent
     # tier holding another seed's chunks must miss, not fail verification.
+    cfg = with_nvme_under(cfg, Path(DEMO_DATA_DIR).expanduser(), 8 * GiB)
     built = build_store(cfg, tenant=f"kvtier-demo-seed-{seed}")
     store, spec, hasher = built.store, built.spec, built.hasher
     chunk_tokens = cfg.store.chunk_tokens

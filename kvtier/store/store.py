@@ -214,21 +214,25 @@ class TieredStore:
         """
         self._check_open()
         tiers: list[str] = []
+        lengths: list[int] = []
         with self._lock:
             for key in keys:
                 e = self._index.get(key)
                 if e is None:
                     break
                 tiers.append(self.tiers[e.slot.tier].name)
+                lengths.append(e.slot.value_bytes)
         if len(tiers) < len(keys) and self._shared:
-            tiers.extend(self.tiers[sl.tier].name for sl in self._adopt(keys[len(tiers) :]))
+            for sl in self._adopt(keys[len(tiers) :]):
+                tiers.append(self.tiers[sl.tier].name)
+                lengths.append(sl.value_bytes)
         with self._lock:
             self._c["lookups"] += 1
             self._c["lookup_hit_chunks"] += len(tiers)
             self._c["lookup_miss_chunks"] += len(keys) - len(tiers)
             if len(tiers) < len(keys):
                 self.placement.on_miss(keys[len(tiers) :])
-        return LookupResult(len(tiers), tuple(tiers))
+        return LookupResult(len(tiers), tuple(tiers), tuple(lengths))
 
     def get(self, keys: Sequence[ChunkKey], dst: Buffer) -> Future[GetResult]:
         """Copy the leading present chunks of ``keys`` into ``dst``, packed.
@@ -407,9 +411,13 @@ class TieredStore:
 
     def _put_pinned(self, keys: list[ChunkKey], view: memoryview, value_bytes: int) -> PutResult:
         with self._lock:
-            fresh = [
-                (i, k) for i, k in enumerate(keys) if k not in self._index and k not in self._pending
-            ]
+            fresh = []
+            seen: set[ChunkKey] = set()
+            for i, k in enumerate(keys):
+                # A key twice in one call is stored once (the second would leak a slot).
+                if k not in self._index and k not in self._pending and k not in seen:
+                    fresh.append((i, k))
+                    seen.add(k)
             self._pending.update(k for _, k in fresh)
             self._c["puts"] += 1
             self._c["put_present"] += len(keys) - len(fresh)

@@ -16,10 +16,12 @@ class LookupResult:
         hits: how many leading keys are present (a prefix; later keys are not checked
             once one is missing).
         tiers: the tier name of each hit, in key order.
+        value_bytes: the value length of each hit, in key order (sizes a get's buffer).
     """
 
     hits: int
     tiers: tuple[str, ...]
+    value_bytes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ import logging
 import mmap
 import os
 import secrets
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,17 @@ log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _counter = itertools.count()
+
+
+def _cuda_driver_present() -> bool:
+    """Whether the NVIDIA driver library loads: a cheap test before importing torch."""
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so.1")
+    except OSError:
+        return False
+    return True
 
 
 class SharedArena:
@@ -53,6 +65,14 @@ class SharedArena:
         self.path = base / f"kvtier-{os.getpid()}-{next(_counter)}-{safe}-{secrets.token_hex(3)}"
         self.size_bytes = size_bytes
         self.pinned = False
+        # tmpfs grants a larger file than it can back; touching the missing pages later
+        # kills the process with SIGBUS. Refuse up front, with a reason.
+        free = shutil.disk_usage(base).free
+        if free < size_bytes:
+            raise TierIOError(
+                f"{base} has {free} bytes free, the {label!r} arena needs {size_bytes}: "
+                "lower capacity_bytes or enlarge /dev/shm"
+            )
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
@@ -79,6 +99,8 @@ class SharedArena:
             self.array[::4096] = 0  # one write per page faults it in
 
     def _pin(self, *, required: bool) -> None:
+        if not required and not _cuda_driver_present():
+            return  # importing torch (seconds) only to find no GPU is not worth it
         try:
             import torch
 

@@ -35,6 +35,7 @@ io_threads = 2
 
 [service]
 key_salt = "one-secret-for-every-daemon-of-this-cache"
+data_dir = ""
 max_value_bytes = {CHUNK}
 
 [[tiers]]

@@ -31,6 +31,8 @@ SMALL = [
     "tiers.0.pin=off",  # AUTO imports torch only to find no CUDA: slow start
     "--set",
     "store.io_threads=2",
+    "--set",
+    "service.data_dir=",  # memory tiers only, unless a test passes --data-dir
 ]
 
 

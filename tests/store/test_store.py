@@ -163,3 +163,12 @@ def test_put_protects_its_prefix_from_its_own_eviction() -> None:
         assert r.stored == 7
         # The head survived, so the stored part of the sequence is reachable.
         assert store.lookup(head + long_tail).hits == 8
+
+
+def test_duplicate_keys_in_one_put_are_stored_once() -> None:
+    with TieredStore([host("only", 8)], io_threads=1) as store:
+        r = store.put([key(1), key(1)], rand(2 * SLOT)).result()
+        assert (r.stored, r.present) == (1, 1)
+        assert store.lookup([key(1)]).value_bytes == (SLOT,)
+        store.delete([key(1)])
+        assert store.stats().tiers[0].used_bytes == 0

@@ -96,3 +96,14 @@ def test_emulated_cxl_injects_its_latency() -> None:
         assert slept and 0 < slept[0] <= 5e-3
     finally:
         tier.close()
+
+
+def test_arena_larger_than_shared_memory_is_refused_not_a_sigbus() -> None:
+    import shutil
+
+    from kvtier.errors import TierIOError
+    from kvtier.tiers.memory import SHM_DIR
+
+    too_big = shutil.disk_usage(SHM_DIR).free + (1 << 30)
+    with pytest.raises(TierIOError, match="free"):
+        HostTier("huge", too_big, SLOT, 1 << 20, Options(pin=Switch.OFF))
