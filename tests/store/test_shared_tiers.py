@@ -86,6 +86,7 @@ def test_lookup_adopts_what_another_store_wrote() -> None:
     with TieredStore([host(4), DictShared(medium, 64)], promote_on_hit=False) as b:
         r = b.lookup(keys)
         assert r.hits == 8 and set(r.tiers) == {"shared"}
+        assert r.value_bytes == (SLOT,) * 8
         assert b.stats().adopted_chunks == 8
         out = np.zeros_like(data)
         g = b.get(keys, out).result()
