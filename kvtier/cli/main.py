@@ -47,11 +47,21 @@ def _setup_logging(level: str = "INFO") -> None:
 @app.command()
 def info(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report as JSON.")] = None,  # noqa: UP045
+    profile: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option(help="Measure memory and disk bandwidth into a hardware TOML for kvtier calc."),
+    ] = None,
+    disk_dir: Annotated[Path, typer.Option(help="Directory whose disk --profile measures.")] = Path("."),
 ) -> None:
     """Describe this machine: CUDA, NUMA nodes, CXL candidates, kvikio, disks."""
     from kvtier.cli.info import run_info
 
     run_info(json_out)
+    if profile is not None:
+        from kvtier.policies.measure import measure, to_toml
+
+        profile.write_text(to_toml(measure(disk_dir)))
+        console.print(f"hardware profile written to {profile} (use: kvtier calc --hardware {profile})")
 
 
 @app.command()
@@ -137,6 +147,16 @@ def bench(
     if json_out is not None:
         argv += ["--json", str(json_out)]
     raise typer.Exit(module.main(argv))
+
+
+def _register_calc() -> None:
+    # The sub-app module imports only typer and rich; kvtier.policies loads per command.
+    from kvtier.cli.calc import calc_app
+
+    app.add_typer(calc_app, name="calc")
+
+
+_register_calc()
 
 
 def main() -> None:

@@ -129,7 +129,9 @@ class TieredStore:
         tiers: the hierarchy, top first. The store owns them and closes them.
         eviction: builds one eviction policy per tier (default LRU).
         placement: admission and demotion decisions (default: keep everything).
-        io_threads: threads that move bytes.
+        io_threads: threads that move bytes; 0 runs every operation on the caller's
+            thread (a synchronous fast path for metadata-only simulation, where the
+            thread hand-offs would cost more than the work).
         promote_on_hit: move chunks hit in a lower tier back to the top, in the background.
     """
 
@@ -153,7 +155,11 @@ class TieredStore:
         self._index: dict[ChunkKey, _Entry] = {}
         self._pending: set[ChunkKey] = set()
         self._lock = threading.RLock()
-        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
+        self._pool: ThreadPoolExecutor | _InlineExecutor = (
+            ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
+            if io_threads > 0
+            else _InlineExecutor()
+        )
         self._inflight = 0
         self._idle = threading.Condition(threading.Lock())
         self._listeners: list[Listener] = []
@@ -870,6 +876,21 @@ class TieredStore:
                     recovered += 1
             if recovered:
                 log.info("tier %s: recovered %d chunks", tier.name, recovered)
+
+
+class _InlineExecutor:
+    """Runs each submitted call at once on the caller's thread (``io_threads=0``)."""
+
+    def submit(self, fn: Callable[..., T], /, *args: object) -> Future[T]:
+        fut: Future[T] = Future()
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:  # the caller sees it through the future, as with a pool
+            fut.set_exception(exc)
+        return fut
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
 
 
 def _contiguous_groups(items: list[tuple[int, ChunkKey]]) -> list[tuple[int, list[ChunkKey]]]:

@@ -24,6 +24,7 @@ BUILTIN_KINDS: dict[str, str] = {
     "cxl": "kvtier.tiers.cxl",
     "gpu": "kvtier.tiers.gpu",
     "nvme": "kvtier.tiers.nvme",
+    "meta": "kvtier.tiers.meta",
     "redis": "kvtier.tiers.redis",
 }
 

@@ -1,0 +1,193 @@
+"""Placement and admission driving the real store: the write budget is never exceeded,
+eviction stays atomic, and decisions follow the benefit model."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtier.config import Switch
+from kvtier.keys import ChunkKey
+from kvtier.policies.budget import WriteBudget
+from kvtier.policies.eviction import ARCEviction, CostAwareEviction
+from kvtier.policies.placement import CostAwarePlacement, Economics
+from kvtier.policies.profiles import DDR5_HOST, NVME_GEN5_TLC
+from kvtier.policies.reuse import ReuseTracker
+from kvtier.store import TieredStore
+from kvtier.store.policy import LRUEviction
+from kvtier.tiers.host import HostTier, Options
+
+VALUE = 4096
+MAX_EXTENT = 1 << 20
+
+
+def key(i: int) -> ChunkKey:
+    return ChunkKey(i.to_bytes(16, "little"))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_store(host_slots: int, ssd_slots: int, budget_bytes_per_window: float, clock: Clock,
+               eviction=LRUEviction, window_s: float = 600.0):
+    """A real two-tier store: host DRAM over a second host arena priced as an SSD."""
+    host = HostTier("host", host_slots * VALUE, VALUE, MAX_EXTENT, Options(pin=Switch.OFF))
+    ssd = HostTier("ssd", ssd_slots * VALUE, VALUE, MAX_EXTENT, Options(pin=Switch.OFF))
+    econ = Economics(chunk_bytes=VALUE, recompute_s=1.0, value_per_s=1.0, window_s=window_s)
+    budget = WriteBudget(budget_bytes_per_window * 86400.0 / window_s, window_s=window_s,
+                         clock=clock)
+    placement = CostAwarePlacement(
+        [DDR5_HOST, replace(NVME_GEN5_TLC, name="ssd")], [host_slots * VALUE, ssd_slots * VALUE],
+        econ, clock=clock, budgets={1: budget},
+    )
+    store = TieredStore([host, ssd], eviction=eviction, placement=placement, io_threads=2)
+    return store, placement, budget
+
+
+def value(i: int) -> np.ndarray:
+    return np.full(VALUE, i % 251, dtype=np.uint8)
+
+
+def replay(store: TieredStore, requests: list[list[int]]) -> None:
+    for blocks in requests:
+        keys = [key(b) for b in blocks]
+        hits = store.lookup(keys).hits
+        if hits:
+            dst = np.empty(hits * VALUE, dtype=np.uint8)
+            got = store.get(keys[:hits], dst).result()
+            for j in range(got.chunks):  # never wrong bytes
+                assert np.array_equal(dst[j * VALUE : (j + 1) * VALUE], value(blocks[j]))
+        if hits < len(keys):
+            data = np.concatenate([value(b) for b in blocks[hits:]])
+            store.put(keys[hits:], data).result()
+        store.flush()
+
+
+requests_st = st.lists(
+    st.tuples(
+        st.floats(0.0, 200.0),  # seconds since the previous request
+        st.integers(0, 7),  # conversation
+        st.integers(1, 6),  # blocks added by this turn
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=requests_st, budget_chunks=st.integers(0, 12))
+def test_ssd_writes_never_exceed_the_budget(ops: list[tuple[float, int, int]],
+                                            budget_chunks: int) -> None:
+    clock = Clock()
+    window = 600.0
+    store, _, budget = make_store(6, 64, budget_chunks * VALUE, clock, window_s=window)
+    convs: dict[int, list[int]] = {}
+    next_id = 1000
+    written: list[tuple[float, int]] = []  # (time, cumulative SSD bytes written)
+    try:
+        for dt, conv, add in ops:
+            clock.t += dt
+            blocks = convs.setdefault(conv, [0])  # block 0: a shared system prompt
+            for _ in range(add):
+                blocks.append(next_id)
+                next_id += 1
+            replay(store, [list(blocks)])
+            ssd = store.stats().tiers[1]
+            written.append((clock.t, ssd.bytes_written))
+            assert ssd.bytes_written <= budget.granted_bytes
+        # Every window of the budget's length holds at most its allowance.
+        for i, (t_end, w_end) in enumerate(written):
+            before = [w for t, w in written[:i] if t < t_end - window]
+            assert w_end - (before[-1] if before else 0) <= budget.allowance_bytes
+    finally:
+        store.close()
+
+
+def test_eviction_takes_exactly_what_is_needed_with_every_policy() -> None:
+    for factory in (LRUEviction, ARCEviction, CostAwareEviction):
+        clock = Clock()
+        store, _, _ = make_store(4, 4, 0.0, clock, eviction=factory)
+        try:
+            replay(store, [[1, 2, 3, 4]])
+            assert store.pin([key(i) for i in (1, 2, 3, 4)]) == 4
+            # Nothing evictable: the put changes nothing.
+            res = store.put([key(10), key(11)], np.zeros(2 * VALUE, dtype=np.uint8)).result()
+            assert res.stored == 0
+            st_ = store.stats()
+            assert st_.demoted_chunks == 0 and st_.dropped_chunks == 0
+            store.unpin([key(4)])
+            # One evictable chunk: exactly one leaves, for the one new chunk that fits.
+            res = store.put([key(10), key(11)], np.zeros(2 * VALUE, dtype=np.uint8)).result()
+            store.drain()
+            st_ = store.stats()
+            assert res.stored == 1
+            assert st_.demoted_chunks + st_.dropped_chunks == 1
+            assert store.lookup([key(i) for i in (1, 2, 3)]).tiers == ("host",) * 3
+        finally:
+            store.close()
+
+
+def test_demotes_reused_chunks_and_drops_one_offs() -> None:
+    clock = Clock()
+    store, placement, _ = make_store(4, 16, 1e12, clock)
+    try:
+        tracker: ReuseTracker = placement.tracker
+        assert tracker.class_probability(1) > 0  # prior before any evidence
+        replay(store, [[1, 2, 3, 4], [1, 2, 3, 4]])  # evidence: these are reused
+        # Worth keeping below DRAM: p * (1 s recompute) * $1/s beats 4 KiB of wear.
+        assert placement.benefit(1, [key(1)]) > 0
+        replay(store, [[100, 101, 102, 103]])  # evicts 1..4 from host
+        assert store.lookup([key(i) for i in (1, 2, 3, 4)]).tiers == ("ssd",) * 4
+    finally:
+        store.close()
+
+
+def test_write_budget_of_zero_keeps_ssd_untouched() -> None:
+    clock = Clock()
+    store, placement, _ = make_store(4, 16, 0.0, clock)
+    try:
+        for r in range(6):
+            clock.t += 10
+            replay(store, [[r * 10 + j for j in range(4)], [r * 10 + j for j in range(4)]])
+        assert store.stats().tiers[1].bytes_written == 0
+        assert sum(placement.stats().budget_refusals) > 0
+    finally:
+        store.close()
+
+
+def test_promotion_from_a_wearing_tier_weighs_the_rewrite() -> None:
+    clock = Clock()
+    store, placement, _ = make_store(4, 16, 1e12, clock)
+    try:
+        cheap = Economics(chunk_bytes=VALUE, recompute_s=1.0, value_per_s=0.0)
+        keys = [key(1)]
+        assert placement.should_promote(1, keys)  # $1/s of time beats 4 KiB of wear
+        frugal = CostAwarePlacement([DDR5_HOST, NVME_GEN5_TLC], [4 * VALUE, 16 * VALUE], cheap,
+                                    clock=clock)
+        assert not frugal.should_promote(1, keys)  # time is worth nothing: keep it down
+    finally:
+        store.close()
+
+
+def test_placement_for_live_tiers_budgets_the_ssd_only() -> None:
+    from kvtier.policies.wiring import placement_for_tiers
+    from kvtier.spec import PRESETS
+    from kvtier.tiers.base import TierProfile
+    from kvtier.tiers.meta import MetaTier
+
+    ssd_profile = TierProfile(80e-6, 14e9, 0.0025, endurance_dwpd=1.0)
+    tiers = [MetaTier("host", 64 * VALUE, VALUE, MAX_EXTENT),
+             MetaTier("ssd", 64 * VALUE, VALUE, MAX_EXTENT, ssd_profile)]
+    p = placement_for_tiers(tiers, PRESETS["llama-3-8b"], 256)
+    assert set(p.budgets) == {1}
+    with TieredStore(tiers, placement=p, io_threads=0) as store:
+        keys = [key(i) for i in range(8)]
+        assert store.put(keys, np.zeros(8 * VALUE, np.uint8)).result().stored == 8
