@@ -70,10 +70,12 @@ def build_store(
     """
     spec = spec or spec_from_model(cfg.model)
     slot = chunk_bytes or spec.chunk_bytes(cfg.store.chunk_tokens)
+    namespace = Namespace(cfg.model.name, spec.fingerprint, cfg.store.chunk_tokens, tenant)
     tiers: list[Tier] = []
     try:
         for section in cfg.tiers:
             tiers.append(create_tier(section, slot, cfg.store.max_extent_bytes))
+            tiers[-1].bind(namespace)
     except BaseException:
         for t in tiers:
             t.close()
@@ -94,5 +96,5 @@ def build_store(
         io_threads=cfg.store.io_threads,
         promote_on_hit=cfg.store.promote_on_hit,
     )
-    hasher = ChunkHasher(Namespace(cfg.model.name, spec.fingerprint, cfg.store.chunk_tokens, tenant))
+    hasher = ChunkHasher(namespace)
     return Built(store, spec, hasher)

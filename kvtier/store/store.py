@@ -3,7 +3,9 @@
 * ``put`` writes new chunks into the top tier the placement policy admits, laying each
   run out as adaptive extents (binary decomposition), after making room by demoting or
   dropping victims chosen by the tier's eviction policy.
-* ``lookup`` answers how many leading chunks are present, and where. Cheap, no I/O.
+* ``lookup`` answers how many leading chunks are present, and where. Cheap, no I/O,
+  except that chunks missing from the index are looked for in *shared* tiers (Redis:
+  other processes store there too); found ones are adopted into the index.
 * ``get`` copies a leading run into the caller's buffer; a hit in a lower tier may be
   promoted afterwards, in the background.
 * ``delete``, ``pin``/``unpin``, ``stats``, listeners for events.
@@ -149,6 +151,7 @@ class TieredStore:
         self.placement = placement or WriteThrough()
         self.promote_on_hit = promote_on_hit
         self._evict = [eviction() for _ in self.tiers]
+        self._shared = [i for i, t in enumerate(self.tiers) if t.shared]
         self._index: dict[ChunkKey, _Entry] = {}
         self._pending: set[ChunkKey] = set()
         self._lock = threading.RLock()
@@ -165,7 +168,7 @@ class TieredStore:
             (
                 "lookups lookup_hit_chunks lookup_miss_chunks gets get_chunks get_bytes puts "
                 "put_chunks put_present put_rejected demoted_chunks promoted_chunks "
-                "dropped_chunks deleted_chunks corrupt_chunks tier_errors"
+                "dropped_chunks deleted_chunks corrupt_chunks tier_errors adopted_chunks"
             ).split(),
             0,
         )
@@ -209,7 +212,12 @@ class TieredStore:
         return self._submit(self._put, keys, view, value_bytes, list(prefix))
 
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
-        """How many leading ``keys`` are present, and in which tiers. No I/O; thread-safe."""
+        """How many leading ``keys`` are present, and in which tiers. Thread-safe.
+
+        No I/O while the index holds the whole run. Otherwise shared tiers are probed
+        for the missing tail (one round trip, bounded by the tier's budget), and chunks
+        found there are adopted into the index.
+        """
         self._check_open()
         tiers: list[str] = []
         lengths: list[int] = []
@@ -220,6 +228,11 @@ class TieredStore:
                     break
                 tiers.append(self.tiers[e.slot.tier].name)
                 lengths.append(e.slot.value_bytes)
+        if len(tiers) < len(keys) and self._shared:
+            for sl in self._adopt(keys[len(tiers) :]):
+                tiers.append(self.tiers[sl.tier].name)
+                lengths.append(sl.value_bytes)
+        with self._lock:
             self._c["lookups"] += 1
             self._c["lookup_hit_chunks"] += len(tiers)
             self._c["lookup_miss_chunks"] += len(keys) - len(tiers)
@@ -233,7 +246,9 @@ class TieredStore:
         ``dst`` must hold at least the sum of their value lengths (``len(keys) *
         slot_bytes`` always suffices); the caller keeps it alive until the future
         completes. A chunk that fails to read ends the run: the result counts only the
-        chunks before it, so the caller never uses bytes that were not verified.
+        chunks before it, so the caller never uses bytes that were not verified. Chunks
+        missing from the index are looked for in shared tiers on the I/O thread, as in
+        :meth:`lookup`.
         """
         self._check_open()
         view = _as_bytes_view(dst, writable=True)
@@ -252,18 +267,36 @@ class TieredStore:
         if need > view.nbytes:
             self._unread(slots)
             raise InputError(f"destination of {view.nbytes} B; the hit needs {need} B")
-        return self._submit(self._get, slots, view)
+        tail = list(keys[len(slots) :]) if self._shared else []
+        return self._submit(self._get, slots, view, tail)
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
-        """Remove chunks; returns how many were present. Reads in flight finish first."""
+        """Remove chunks; returns how many were present. Reads in flight finish first.
+
+        Shared tiers delete the values from their medium too (one round trip each), so
+        other processes stop finding them; chunks only there count as present.
+        """
         self._check_open()
-        removed = 0
+        gone: list[ChunkKey] = []
         with self._lock:
             for key in keys:
                 e = self._index.get(key)
                 if e is not None:
                     self._remove_locked(key, e)
-                    removed += 1
+                    gone.append(key)
+        removed = len(gone)
+        if self._shared:
+            # forget() leaves shared values alone (others may use them); delete must not.
+            known = set(gone)
+            elsewhere = [k for k in keys if k not in known]
+            found_elsewhere = 0
+            for t in self._shared:
+                if gone:
+                    self.tiers[t].discard(gone)
+                if elsewhere:
+                    found_elsewhere = max(found_elsewhere, self.tiers[t].discard(elsewhere))
+            removed += found_elsewhere
+        with self._lock:
             self._c["deleted_chunks"] += removed
         if removed:
             self._emit(StoreEvent(EventKind.DELETED, "", removed, 0))
@@ -476,7 +509,10 @@ class TieredStore:
             self._emit(StoreEvent(EventKind.STORED, tier.name, stored, stored * value_bytes))
         return stored, failed
 
-    def _get(self, slots: list[_Slot], view: memoryview) -> GetResult:
+    def _get(self, slots: list[_Slot], view: memoryview, tail: list[ChunkKey]) -> GetResult:
+        if tail:
+            room = view.nbytes - sum(sl.value_bytes for sl in slots)
+            slots = slots + self._adopt(tail, hold=True, max_bytes=room)
         done = 0
         pos = 0
         tiers: list[str] = []
@@ -527,6 +563,66 @@ class TieredStore:
             self._c["promoted_chunks"] += moved
         if moved:
             self._emit(StoreEvent(EventKind.PROMOTED, self.tiers[0].name, moved, 0))
+
+    # -- shared tiers --------------------------------------------------------------------
+
+    def _adopt(
+        self, keys: Sequence[ChunkKey], *, hold: bool = False, max_bytes: int | None = None
+    ) -> list[_Slot]:
+        """Index the leading ``keys`` that shared tiers hold but this index lacks.
+
+        Another process may have stored them. Each shared tier, in order, is probed for
+        what is still missing; each chunk found claims one slot of that tier (its
+        allocator is a logical bound there) and is then read through the normal path. A
+        chunk that vanishes before it is read fails that read, which is a miss. Called
+        with no lock held (probes do I/O). Returns the slots of the leading run, in key
+        order, read-held when ``hold``; at most ``max_bytes`` of values.
+        """
+        out: list[_Slot] = []
+        rest = list(keys)
+        room = max_bytes
+        for t in self._shared:
+            if not rest:
+                break
+            tier = self.tiers[t]
+            lengths: list[int] = []
+            for length in list(tier.probe(rest))[: len(rest)]:
+                if not 0 < length <= min(tier.slot_bytes, self.slot_bytes):
+                    break
+                if room is not None:
+                    if length > room:
+                        break
+                    room -= length
+                lengths.append(length)
+            n = min(len(lengths), tier.capacity_slots)
+            if not n:
+                continue
+            if not self._make_room(t, n):
+                break
+            extents = tier.allocate(n)
+            if extents is None:
+                break
+            offsets = [o for ext in extents for o in range(ext.offset, ext.offset + ext.units)]
+            new: list[ChunkKey] = []
+            with self._lock:
+                for j in range(n):
+                    key = rest[j]
+                    e = self._index.get(key)
+                    if e is None:
+                        e = self._index[key] = _Entry(_Slot(key, t, offsets[j], lengths[j]))
+                        new.append(key)
+                    else:  # indexed meanwhile by a put or another adoption
+                        tier.release(offsets[j], 1)
+                    if hold:
+                        e.slot.readers += 1
+                    out.append(e.slot)
+                for key in reversed(new):  # head most recent, as in _write_new
+                    self._evict[t].insert(key, self._index[key].slot.value_bytes)
+                self._c["adopted_chunks"] += len(new)
+            rest = rest[n:]
+            if n < len(lengths):
+                break
+        return out
 
     # -- making room ---------------------------------------------------------------------
 

@@ -102,3 +102,5 @@ class StoreStats:
     tier_errors: int
     tier_hits: tuple[tuple[str, int], ...]
     tiers: tuple[TierStats, ...]
+    # Chunks found in a shared tier (stored by another process) and added to the index.
+    adopted_chunks: int = 0

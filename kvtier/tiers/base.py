@@ -6,6 +6,10 @@ store decides what goes where; a tier only keeps bytes at offsets.
 
 Subclasses implement two methods, :meth:`Tier._write` and :meth:`Tier._read`. Optional
 hooks (:meth:`Tier.recover`, :meth:`Tier.flush`, :meth:`Tier.close`) are no-ops here.
+
+A *shared* tier (``shared = True``, such as Redis) holds chunks that other processes and
+hosts also write. Its allocator then bounds what this process indexes, and the store asks
+:meth:`Tier.probe` about chunks missing from its own index, adopting the ones found.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass
 
 from kvtier.alloc import BuddyAllocator, Extent
 from kvtier.errors import InputError
-from kvtier.keys import ChunkKey
+from kvtier.keys import ChunkKey, Namespace
 from kvtier.units import align_up
 
 SLOT_ALIGN = 4096
@@ -102,6 +106,9 @@ class Tier(ABC):
 
     kind: str = "abstract"
     emulated: bool = False
+    shared: bool = False
+    """True when other processes or hosts also write this tier's medium: the store then
+    asks :meth:`probe` about chunks its own index lacks."""
 
     def __init__(
         self,
@@ -208,6 +215,32 @@ class Tier(ABC):
 
     def forget(self, run: SlotRun) -> None:  # noqa: B027 - optional hook
         """Called before the store releases a run's slots (persistent tiers journal it)."""
+
+    def bind(self, namespace: Namespace) -> None:  # noqa: B027 - optional hook
+        """The key namespace (model, KV spec, tenant) of the chunks this tier will hold.
+
+        Called by :func:`kvtier.factory.build_store` before any I/O. Shared tiers use it
+        to keep tenants and geometries apart in the shared medium. Default: ignored.
+        """
+
+    def probe(self, keys: Sequence[ChunkKey]) -> Sequence[int]:
+        """Shared tiers: value lengths (bytes) of the leading ``keys`` present in the medium.
+
+        In key order, stopping at the first absent key; the store adopts the chunks it
+        finds (claims a slot each) and reads them through :meth:`read`. Only called when
+        :attr:`shared` is True, with no store lock held; may block for the tier's own
+        budget, and never raises (a failure reads as absence). Default: nothing found.
+        """
+        return ()
+
+    def discard(self, keys: Sequence[ChunkKey]) -> int:
+        """Shared tiers: delete ``keys``' values from the medium (the store's ``delete``).
+
+        Returns how many were present. :meth:`forget` is not enough for a shared tier:
+        the store also forgets chunks it evicts or moves, which other processes may
+        still use. Never raises. Default: nothing to delete.
+        """
+        return 0
 
     def flush(self) -> None:  # noqa: B027 - optional hook
         """Make everything written so far durable. Default: nothing to do."""

@@ -25,6 +25,7 @@ BUILTIN_KINDS: dict[str, str] = {
     "gpu": "kvtier.tiers.gpu",
     "nvme": "kvtier.tiers.nvme",
     "meta": "kvtier.tiers.meta",
+    "redis": "kvtier.tiers.redis",
 }
 
 

@@ -51,9 +51,37 @@ def nvme_posix(tmp: Path, slot: int, cap: int) -> Tier:
     return NVMeTier("nvme", cap, slot, MAX_EXTENT, Options(dir=str(tmp), engine=EngineKind.POSIX))
 
 
+def redis_single(tmp: Path, slot: int, cap: int) -> Tier:
+    from kvtier.tiers.redis import Options, RedisTier
+    from tests.redis_servers import session_server
+
+    # One server for the session (tests/conftest.py stops it); a fresh key prefix per
+    # tier keeps tests apart on it.
+    srv = session_server()
+    return RedisTier("redis", cap, slot, MAX_EXTENT, Options(url=srv.url, key_prefix=_prefix()))
+
+
+def redis_cluster(tmp: Path, slot: int, cap: int) -> Tier:
+    from kvtier.tiers.redis import Options, RedisTier
+    from tests.redis_servers import session_cluster
+
+    c = session_cluster()
+    return RedisTier(
+        "redis-cluster", cap, slot, MAX_EXTENT, Options(cluster_nodes=c.seeds, key_prefix=_prefix())
+    )
+
+
+def _prefix() -> str:
+    import uuid
+
+    return f"contract-{uuid.uuid4().hex[:12]}"
+
+
 TIER_FACTORIES: dict[str, TierFactory] = {
     "host": host,
     "cxl-emulated": cxl_emulated,
     "gpu": gpu,
     "nvme-posix": nvme_posix,
+    "redis": redis_single,
+    "redis-cluster": redis_cluster,
 }

@@ -1,0 +1,357 @@
+"""The ``redis`` tier: chunks shared across machines through Redis or Redis Cluster.
+
+Each chunk is one Redis value (header + payload, :mod:`kvtier.tiers.redis.wire`) under
+``{key_prefix}:{tenant}:{spec fingerprint}:{chunk key hex}``, so tenants and model
+geometries never collide and an operator can find one namespace with ``SCAN MATCH``.
+
+The tier keeps the core's slot contract: its allocator is a *logical* bound on how many
+chunks this process indexes in Redis, and values are addressed by chunk key, not by
+slot. Redis is shared, so the tier is ``shared = True``: the store asks :meth:`probe`
+about chunks its own index lacks (another process may have stored them) and adopts the
+ones found. Because the medium is shared, :meth:`forget` (the store evicting or moving a
+chunk out of this tier) leaves the value in Redis for the others; Redis' own
+``maxmemory`` policy and the optional TTL reclaim it. Only :meth:`discard` (the store's
+``delete``) removes values.
+
+Failures never wait past a budget and never serve wrong bytes: a down, restarting or
+slow node makes its chunks misses (:mod:`kvtier.tiers.redis.nodes`), and a value whose
+header or checksum fails is a miss and is deleted.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from typing_extensions import override
+
+from kvtier.errors import ConfigError, CorruptChunkError, PluginError, TierIOError
+from kvtier.keys import ChunkKey, Namespace
+from kvtier.tiers.base import SlotRun, Tier, TierProfile
+from kvtier.tiers.redis import wire
+from kvtier.tiers.redis.nodes import NodeHealth, Nodes, Op
+from kvtier.units import MiB
+
+if TYPE_CHECKING:
+    from kvtier.config import TierSection
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """``[[tiers]] kind = "redis"`` options."""
+
+    # A single Redis server: redis://[user:password@]host:port/db (rediss:// for TLS).
+    url: str = "redis://127.0.0.1:6379/0"
+    # Redis Cluster seed nodes as "host:port"; when set, the tier runs in cluster mode
+    # and ``url`` is ignored.
+    cluster_nodes: tuple[str, ...] = ()
+    # First part of every Redis key; tenant and KV spec fingerprint follow it.
+    key_prefix: str = "kvtier"
+    # Expire a value this many seconds after its last write or read (sliding); 0 keeps
+    # values until Redis evicts them under maxmemory.
+    ttl_s: float = 0.0
+    # The longest a probe (lookup) or a read waits on Redis, in seconds; past it the
+    # chunks are misses. Size it to the largest read the engine makes.
+    op_budget_s: float = 2.0
+    # The longest a write waits, in seconds (writes run on the store's I/O threads).
+    write_budget_s: float = 30.0
+    # Bound on one TCP connect, and on one wait for a socket read or write, in seconds.
+    connect_timeout_s: float = 0.5
+    socket_timeout_s: float = 2.0
+    # Bytes of values in one pipelined round trip to one node. A few MiB keeps the
+    # client's and the server's buffers in cache; far larger batches ran slower.
+    batch_bytes: int = 8 * MiB
+    # Reconnect backoff of a failed node: doubles from min to max, in seconds.
+    backoff_min_s: float = 0.05
+    backoff_max_s: float = 5.0
+    # Value codec: "none", or "lz4-shuffle" (kvtier.codec: lz4 over byte planes; pays
+    # where the network is the bottleneck and the KV compresses). Needs lz4.
+    codec: str = "none"
+    # Bytes per KV element for the lz4 byte-plane shuffle (2 for fp16/bf16, 1 for fp8).
+    codec_element_bytes: int = 2
+    # Threads that run the per-node parts of one batch in parallel.
+    fanout_threads: int = 8
+    # Connections one node's part of a batch is spread over, in parallel.
+    streams_per_node: int = 2
+
+    def __post_init__(self) -> None:
+        positive = ("op_budget_s", "write_budget_s", "connect_timeout_s", "socket_timeout_s",
+                    "backoff_min_s", "backoff_max_s")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ConfigError(name, getattr(self, name), "a positive number of seconds")
+        if self.ttl_s < 0:
+            raise ConfigError("ttl_s", self.ttl_s, "0 (no expiry) or a positive number of seconds")
+        if self.backoff_max_s < self.backoff_min_s:
+            raise ConfigError(
+                "backoff_max_s", self.backoff_max_s, f">= backoff_min_s ({self.backoff_min_s})"
+            )
+        if self.batch_bytes < 1:
+            raise ConfigError("batch_bytes", self.batch_bytes, "a positive size")
+        if not 1 <= self.streams_per_node <= 64:
+            raise ConfigError("streams_per_node", self.streams_per_node, "an integer in [1, 64]")
+        if not 1 <= self.fanout_threads <= 256:
+            raise ConfigError("fanout_threads", self.fanout_threads, "an integer in [1, 256]")
+        if self.codec not in ("none", "lz4-shuffle"):
+            raise ConfigError("codec", self.codec, "none or lz4-shuffle")
+        if self.codec_element_bytes not in (1, 2, 4):
+            raise ConfigError("codec_element_bytes", self.codec_element_bytes, "1, 2 or 4")
+        if not self.key_prefix:
+            raise ConfigError("key_prefix", self.key_prefix, "a non-empty string")
+
+
+class _R(enum.Enum):
+    """Outcome of one item of a batch."""
+
+    OK = "ok"
+    ABSENT = "absent"
+    CORRUPT = "corrupt"
+    FAILED = "failed"
+
+
+# A 10 GbE link to a Redis in the same zone; managed in-memory stores cost ~$10/GB-month.
+REDIS_PROFILE = TierProfile(latency_s=250e-6, bandwidth_Bps=1.2e9, cost_per_gb_month=10.0)
+
+
+class RedisTier(Tier):
+    """Chunks in Redis, one value each; shared by every process that uses the same Redis.
+
+    Thread-safety: every method may be called from any thread; per-node parts of a batch
+    run on the tier's own small pool.
+
+    Args:
+        name, capacity_bytes, slot_bytes, max_extent_bytes: see :class:`Tier`;
+            ``capacity_bytes`` bounds what this process indexes, not Redis' memory.
+        options: connection, budget and batching settings.
+        namespace: the chunk keys' namespace (tenant, KV spec); also set by :meth:`bind`.
+    """
+
+    kind = "redis"
+    shared = True
+
+    def __init__(
+        self,
+        name: str,
+        capacity_bytes: int,
+        slot_bytes: int,
+        max_extent_bytes: int,
+        options: Options | None = None,
+        profile: TierProfile | None = None,
+        namespace: Namespace | None = None,
+    ) -> None:
+        profile = profile or REDIS_PROFILE
+        super().__init__(name, capacity_bytes, slot_bytes, max_extent_bytes, profile)
+        self.options = opts = options or Options()
+        self._nodes = Nodes(
+            url=opts.url,
+            cluster_nodes=opts.cluster_nodes,
+            connect_timeout_s=opts.connect_timeout_s,
+            socket_timeout_s=opts.socket_timeout_s,
+            backoff_min_s=opts.backoff_min_s,
+            backoff_max_s=opts.backoff_max_s,
+            threads=opts.fanout_threads,
+            streams=opts.streams_per_node,
+        )
+        self._px = int(opts.ttl_s * 1000) if opts.ttl_s > 0 else None
+        self._compress = opts.codec == "lz4-shuffle"
+        if self._compress:
+            try:
+                import lz4.block  # noqa: F401 - fail at start-up, not on the first put
+            except ImportError as exc:
+                raise PluginError(
+                    f"tier {name}: codec lz4-shuffle needs lz4 (pip install 'kvtier[nvme]')"
+                ) from exc
+        self._closed = False
+        self.bind(namespace or Namespace("", "unbound", 0))
+
+    # -- namespace -----------------------------------------------------------------------
+
+    @override
+    def bind(self, namespace: Namespace) -> None:
+        self.namespace = namespace
+        self._ns = wire.namespace_id(namespace.tenant, namespace.spec_fingerprint)
+        prefix = f"{self.options.key_prefix}:{namespace.tenant}:{namespace.spec_fingerprint}:"
+        self._prefix = prefix.encode()
+
+    def redis_key(self, key: ChunkKey) -> bytes:
+        """The Redis key that holds ``key``'s value (for operators and tests)."""
+        return self._prefix + key.hex().encode()
+
+    def health(self) -> tuple[NodeHealth, ...]:
+        """Each node's breaker state, for stats pages and tests."""
+        return self._nodes.health()
+
+    # -- the shared-medium hooks ---------------------------------------------------------
+
+    @override
+    def probe(self, keys: Sequence[ChunkKey]) -> tuple[int, ...]:
+        """Value lengths of the leading ``keys`` stored in Redis, by reading headers only.
+
+        One pipelined ``GETRANGE key 0 31`` per node. A value with a bad header ends the
+        run and is deleted. Never raises; waits at most ``op_budget_s``.
+        """
+        if not keys or self._closed:
+            return ()
+        names = [self.redis_key(k) for k in keys]
+
+        def work(client: Any, idx: list[int], op: Op) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for i in idx:
+                pipe.getrange(names[i], 0, wire.HEADER_BYTES - 1)
+            out: list[Any] = pipe.execute(raise_on_error=False)
+            return out
+
+        heads = self._nodes.execute(names, work, Op(self.options.op_budget_s), None)
+        lengths: list[int] = []
+        for name, head in zip(names, heads, strict=True):
+            if not isinstance(head, bytes) or not head:
+                if isinstance(head, Exception):
+                    self._nodes.note_response_error(head)
+                break
+            try:
+                h = wire.parse_header(head, self._ns)
+            except CorruptChunkError as exc:
+                log.warning("redis tier %s: dropping %r: %s", self.name, name, exc)
+                self._delete([name])
+                break
+            if not 0 < h.raw_len <= self.slot_bytes:
+                break
+            lengths.append(h.raw_len)
+        return tuple(lengths)
+
+    @override
+    def discard(self, keys: Sequence[ChunkKey]) -> int:
+        """Delete the values of ``keys`` from Redis; returns how many existed."""
+        if not keys or self._closed:
+            return 0
+        return self._delete([self.redis_key(k) for k in keys])
+
+    def _delete(self, names: list[bytes]) -> int:
+        def work(client: Any, idx: list[int], op: Op) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for i in idx:
+                pipe.delete(names[i])
+            out: list[Any] = pipe.execute(raise_on_error=False)
+            return out
+
+        res = self._nodes.execute(names, work, Op(self.options.op_budget_s), 0)
+        return sum(r for r in res if isinstance(r, int))
+
+    # -- data movement -------------------------------------------------------------------
+
+    @override
+    def _write(self, run: SlotRun, src: memoryview) -> None:
+        names = [self.redis_key(k) for k in run.keys]
+        vb = run.value_bytes
+        px = self._px
+        reasons: list[str] = []
+
+        def work(client: Any, idx: list[int], op: Op) -> list[_R]:
+            out: list[_R] = []
+            for batch in _batches(idx, vb + wire.HEADER_BYTES, self.options.batch_bytes):
+                op.check()
+                pipe = client.pipeline(transaction=False)
+                with op.guard():  # encode copies from src: never after the caller gave up
+                    for i in batch:
+                        value = wire.encode(
+                            run.keys[i], src[i * vb : (i + 1) * vb], self._ns,
+                            compress=self._compress, width=self.options.codec_element_bytes,
+                        )
+                        pipe.set(names[i], value, px=px)
+                results = pipe.execute(raise_on_error=False)
+                del pipe
+                for r in results:
+                    if isinstance(r, Exception):
+                        reasons.append(f"{type(r).__name__}: {r}")
+                        self._nodes.note_response_error(r)
+                        out.append(_R.FAILED)
+                    else:
+                        out.append(_R.OK)
+            return out
+
+        res = self._nodes.execute(names, work, Op(self.options.write_budget_s), _R.FAILED)
+        bad = sum(r is not _R.OK for r in res)
+        if bad:
+            why = reasons[0] if reasons else "node down, failing or over budget"
+            raise TierIOError(f"redis tier {self.name}: {bad} of {run.n} values not stored ({why})")
+
+    @override
+    def _read(self, run: SlotRun, dst: memoryview) -> None:
+        names = [self.redis_key(k) for k in run.keys]
+        vb = run.value_bytes
+        px = self._px
+        reasons: list[str] = []
+
+        def work(client: Any, idx: list[int], op: Op) -> list[_R]:
+            out: list[_R] = []
+            for batch in _batches(idx, vb + wire.HEADER_BYTES, self.options.batch_bytes):
+                op.check()
+                pipe = client.pipeline(transaction=False)
+                for i in batch:
+                    # GETEX slides the TTL on a hit: hot chunks stay, cold ones expire.
+                    if px is None:
+                        pipe.get(names[i])
+                    else:
+                        pipe.getex(names[i], px=px)
+                values = pipe.execute(raise_on_error=False)
+                with op.guard():  # dst is the caller's: never touched after it gave up
+                    for i, v in zip(batch, values, strict=True):
+                        slot = dst[i * vb : (i + 1) * vb]
+                        out.append(self._decode(run.keys[i], v, slot, reasons))
+                del values
+            return out
+
+        res = self._nodes.execute(names, work, Op(self.options.op_budget_s), _R.FAILED)
+        corrupt = [n for n, r in zip(names, res, strict=True) if r is _R.CORRUPT]
+        if corrupt:
+            # A bad value would fail every reader: remove it so the next put heals it.
+            self._delete(corrupt)
+            raise CorruptChunkError(
+                f"redis tier {self.name}: {len(corrupt)} of {run.n} values failed verification "
+                f"and were deleted ({reasons[0] if reasons else 'bad value'})"
+            )
+        absent = sum(r is _R.ABSENT for r in res)
+        failed = sum(r is _R.FAILED for r in res)
+        if absent or failed:
+            raise TierIOError(
+                f"redis tier {self.name}: {absent} of {run.n} values gone (evicted or expired), "
+                f"{failed} unreachable or over budget"
+                + (f" ({reasons[0]})" if reasons else "")
+            )
+
+    def _decode(self, key: ChunkKey, value: Any, dst: memoryview, reasons: list[str]) -> _R:
+        if value is None:
+            return _R.ABSENT
+        if isinstance(value, Exception):
+            reasons.append(f"{type(value).__name__}: {value}")
+            self._nodes.note_response_error(value)
+            return _R.FAILED
+        try:
+            wire.decode_into(key, value, self._ns, dst)
+        except CorruptChunkError as exc:
+            reasons.append(str(exc))
+            return _R.CORRUPT
+        return _R.OK
+
+    @override
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._nodes.close()
+
+
+def _batches(idx: list[int], item_bytes: int, batch_bytes: int) -> list[list[int]]:
+    """Split indices into batches of at most ``batch_bytes`` (at least one item each)."""
+    per = max(1, batch_bytes // item_bytes)
+    return [idx[i : i + per] for i in range(0, len(idx), per)]
+
+
+def create(section: TierSection, slot_bytes: int, max_extent_bytes: int) -> RedisTier:
+    return RedisTier(
+        section.name, section.capacity_bytes, slot_bytes, max_extent_bytes, section.options
+    )

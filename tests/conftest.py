@@ -1,0 +1,51 @@
+"""Session-wide fixtures: real Redis servers (see tests/redis_servers.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests import redis_servers
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _redis_session_teardown() -> Iterator[None]:
+    """Owns the teardown of the lazily started session server and cluster.
+
+    Starts nothing itself: a server starts only when a test (or a contract factory)
+    first asks for it.
+    """
+    yield
+    redis_servers.stop_session()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> redis_servers.RedisServer:
+    """A redis-server shared by the session's tests; isolate with a unique key prefix."""
+    return redis_servers.session_server()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> redis_servers.RedisClusterProcs:
+    """A 3-master Redis Cluster shared by the session's tests."""
+    return redis_servers.session_cluster()
+
+
+@pytest.fixture
+def fresh_redis(tmp_path: Path) -> Iterator[redis_servers.RedisServer]:
+    """A redis-server of this test's own, for tests that stop, restart or fill it."""
+    redis_servers.require_redis()
+    srv = redis_servers.RedisServer(tmp_path / "redis").start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def fresh_cluster(tmp_path: Path) -> Iterator[redis_servers.RedisClusterProcs]:
+    """A 3-master cluster of this test's own, for tests that kill a master."""
+    redis_servers.require_redis()
+    c = redis_servers.RedisClusterProcs(tmp_path / "cluster").start()
+    yield c
+    c.stop()
