@@ -16,14 +16,19 @@ from kvtier.tiers.registry import create_tier
 
 
 def with_nvme_under(cfg: KVTierConfig, directory: str | Path, capacity_bytes: int) -> KVTierConfig:
-    """``cfg`` plus an nvme tier in ``directory``, unless ``cfg`` already has one."""
+    """``cfg`` plus an nvme tier in ``directory``, unless ``cfg`` already has one.
+
+    The tier goes below the local tiers and above any shared one (Redis): a shared tier
+    is the lowest level of the hierarchy.
+    """
     if any(t.kind == "nvme" for t in cfg.tiers):
         return cfg
-    from kvtier.tiers.registry import tier_options_class
+    from kvtier.tiers.registry import is_shared_kind, tier_options_class
 
     options = tier_options_class("nvme")(dir=str(directory), create_dirs=True)
     section = TierSection("nvme", "nvme", capacity_bytes, options)
-    return dataclasses.replace(cfg, tiers=(*cfg.tiers, section))
+    at = next((i for i, t in enumerate(cfg.tiers) if is_shared_kind(t.kind)), len(cfg.tiers))
+    return dataclasses.replace(cfg, tiers=(*cfg.tiers[:at], section, *cfg.tiers[at:]))
 
 
 def spec_from_model(model: ModelConfig) -> KVSpec:

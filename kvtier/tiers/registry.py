@@ -50,6 +50,13 @@ def tier_options_class(kind: str, where: str = "tiers") -> type[Any]:
     return options
 
 
+def is_shared_kind(kind: str) -> bool:
+    """Whether tiers of this kind are shared with other processes and hosts (Redis)."""
+    module = _module(kind, "tiers")
+    return any(getattr(obj, "shared", False) is True for obj in vars(module).values()
+               if isinstance(obj, type) and obj.__module__.startswith(module.__name__))
+
+
 def create_tier(section: TierSection, slot_bytes: int, max_extent_bytes: int) -> Tier:
     """Build the tier a config section describes."""
     tier: Tier = _module(section.kind, "tiers").create(section, slot_bytes, max_extent_bytes)
