@@ -107,6 +107,7 @@ class StoreStatsModel(Strict):
     deleted_chunks: int
     corrupt_chunks: int
     tier_errors: int
+    adopted_chunks: int = Field(0, description="Chunks found in a shared tier (stored by another process) and indexed.")
     tier_hits: dict[str, int]
     tiers: list[TierStatsModel]
 

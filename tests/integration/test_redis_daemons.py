@@ -32,6 +32,8 @@ def write_config(path: Path, redis_url: str, prefix: str) -> Path:
     path.write_text(f"""
 [store]
 io_threads = 2
+# Sharing is under test, not placement: demote every victim down to Redis.
+placement = "keep"
 
 [service]
 key_salt = "one-secret-for-every-daemon-of-this-cache"

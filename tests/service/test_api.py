@@ -170,6 +170,10 @@ def test_data_dir_keeps_the_cache_across_a_restart(daemon_factory, tmp_path) -> 
         "tiers.0.capacity_bytes=8MiB",
         "--set",
         "service.data_capacity_bytes=64MiB",
+        # Persistence is under test, not admission: the cost model would drop these
+        # one-off values rather than write them to the SSD.
+        "--set",
+        "store.placement=keep",
     )
     first = daemon_factory(*args)
     keys = [key() for _ in range(20)]
