@@ -226,6 +226,7 @@ def make_contenders(
     servers: Servers, concurrency: int
 ) -> tuple[Contender, Contender, Callable[[], None]]:
     import redis
+
     from kvtier.service.client import Client
 
     kc = Client(servers.kvtier_url, pool=max(concurrency, 4), timeout_s=120)
@@ -410,9 +411,9 @@ def bench_point(
 def soak(seconds: float, clients: int, value_bytes: int) -> dict[str, Any]:
     """``clients`` threads put and get over a key space twice the daemon's capacity."""
     import psutil
-    from kvtier.service.client import Client
 
     from kvtier.errors import KVTierError
+    from kvtier.service.client import Client
 
     capacity = 256 * MiB
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-soak-"))

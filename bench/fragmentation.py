@@ -18,11 +18,11 @@ Usage: ``kvtier bench fragmentation [--json F] [--plot PNG] [--churn-ops N]``
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import random
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +184,7 @@ def plot(lengths: list[int], max_order: int, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for scheme in ["adaptive"] + [f"fixed-{p}" for p in FIXED_PAGES]:
         xs, ys = [], []
-        for lo, hi in zip(edges, edges[1:], strict=False):
+        for lo, hi in itertools.pairwise(edges):
             sel = [n for n in lengths if lo <= n < hi]
             if sel:
                 xs.append((lo * hi) ** 0.5)

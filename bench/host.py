@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from kvtier.bench.common import envelope, interleaved, write_json
 
+from kvtier.bench.common import envelope, interleaved, write_json
 from kvtier.config import Switch
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore

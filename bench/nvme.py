@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from kvtier.bench.common import envelope, write_json
 
+from kvtier.bench.common import envelope, write_json
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import SlotRun
 

@@ -34,8 +34,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
-from kvtier.bench.common import Sample, envelope, interleaved, write_json
 
+from kvtier.bench.common import Sample, envelope, interleaved, write_json
 from kvtier.keys import ChunkKey
 from kvtier.spec import preset
 from kvtier.tiers.base import SlotRun

@@ -357,16 +357,18 @@ def build_dataclass(cls: type[T], raw: Mapping[str, Any], where: str) -> T:
     try:
         return cls(**kwargs)
     except TypeError as exc:
-        raise ConfigError(where or "<root>", dict(raw), f"the fields of {cls.__name__}: {exc}") from exc
+        raise ConfigError(
+            where or "<root>", dict(raw), f"the fields of {cls.__name__}: {exc}"
+        ) from exc
 
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(hint)
-        if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
-            if type(None) in args:
-                return None
+        empty = value is None or (isinstance(value, str) and value.lower() in ("", "none", "null"))
+        if empty and type(None) in args:
+            return None
         last: ConfigError | None = None
         for arg in args:
             if arg is type(None):
@@ -396,7 +398,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         try:
             if key.endswith("_bytes"):
                 return parse_size(value)
-            if isinstance(value, bool) or isinstance(value, float):
+            if isinstance(value, (bool, float)):
                 raise ValueError
             return int(value)
         except (TypeError, ValueError):

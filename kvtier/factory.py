@@ -87,9 +87,7 @@ def build_store(
         raise
     if placement is None:
         try:
-            placement = placement_factory(cfg.store.placement)(
-                tiers, spec, cfg.store.chunk_tokens
-            )
+            placement = placement_factory(cfg.store.placement)(tiers, spec, cfg.store.chunk_tokens)
         except BaseException:
             for t in tiers:
                 t.close()

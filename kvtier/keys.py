@@ -9,12 +9,11 @@ tenant), so two models or two tenants never share a key. Nothing here depends on
 
 from __future__ import annotations
 
+import array
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NewType
-
-import array
-import sys
 
 import numpy as np
 import xxhash
@@ -43,6 +42,7 @@ def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes | memoryview:
         arr.byteswap()
     return memoryview(arr).cast("B")
 
+
 ChunkKey = NewType("ChunkKey", bytes)
 """16 bytes: the xxh3-128 digest of one chunk and all chunks before it."""
 
@@ -66,7 +66,8 @@ class Namespace:
     tenant: str = ""
 
     def seed(self) -> ChunkKey:
-        canon = f"kvtier/ns/v1\0{self.model}\0{self.spec_fingerprint}\0{self.chunk_tokens}\0{self.tenant}"
+        fields = (self.model, self.spec_fingerprint, str(self.chunk_tokens), self.tenant)
+        canon = "\0".join(("kvtier/ns/v1", *fields))
         return ChunkKey(xxhash.xxh3_128_digest(canon.encode()))
 
 

@@ -181,4 +181,6 @@ def preset(name: str) -> KVSpec:
     try:
         return PRESETS[name.lower()]
     except KeyError:
-        raise SpecError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}") from None
+        raise SpecError(
+            f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}"
+        ) from None

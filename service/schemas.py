@@ -72,7 +72,9 @@ class TierStatsModel(Strict):
     write_ops: int
     read_ops: int
     emulated: bool
-    media_bytes_written: int = Field(0, description="Bytes that reached the medium (codec, padding, journal included).")
+    media_bytes_written: int = Field(
+        0, description="Bytes that reached the medium (codec, padding, journal included)."
+    )
 
 
 class TenantStatsModel(Strict):
@@ -107,7 +109,9 @@ class StoreStatsModel(Strict):
     deleted_chunks: int
     corrupt_chunks: int
     tier_errors: int
-    adopted_chunks: int = Field(0, description="Chunks found in a shared tier (stored by another process) and indexed.")
+    adopted_chunks: int = Field(
+        0, description="Chunks found in a shared tier (stored by another process) and indexed."
+    )
     tier_hits: dict[str, int]
     tiers: list[TierStatsModel]
 

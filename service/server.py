@@ -24,6 +24,7 @@ def serve(cfg: KVTierConfig) -> None:
         PluginError: a tier kind that cannot be imported.
     """
     import uvicorn
+
     from kvtier.service.app import create_app
 
     cfg = with_data_dir(cfg)

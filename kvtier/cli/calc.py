@@ -94,22 +94,22 @@ def _load_inputs(
 @calc_app.callback()
 def calc(
     ctx: typer.Context,
-    model: Annotated[str, typer.Option("--model", "-m", help="Preset (llama-3-8b, llama-3-70b, qwen2-7b, mixtral-8x7b, deepseek-v3) or a HF config.json.")] = "llama-3-8b",  # noqa: E501
-    hardware: Annotated[str, typer.Option("--hardware", "-H", help="Hardware preset (h200-dram-nvme, h200-dram-cxl-nvme, h200-dram-qlc, h200-dram-redis) or a TOML file.")] = "h200-dram-nvme",  # noqa: E501
-    trace: Annotated[Optional[Path], typer.Option(help="Mooncake-format JSONL trace; synthetic workload when absent.")] = None,  # noqa: UP045, E501
-    limit: Annotated[Optional[int], typer.Option(help="Use only the first N requests of the trace.")] = None,  # noqa: UP045, E501
+    model: Annotated[str, typer.Option("--model", "-m", help="Preset (llama-3-8b, llama-3-70b, qwen2-7b, mixtral-8x7b, deepseek-v3) or a HF config.json.")] = "llama-3-8b",
+    hardware: Annotated[str, typer.Option("--hardware", "-H", help="Hardware preset (h200-dram-nvme, h200-dram-cxl-nvme, h200-dram-qlc, h200-dram-redis) or a TOML file.")] = "h200-dram-nvme",
+    trace: Annotated[Optional[Path], typer.Option(help="Mooncake-format JSONL trace; synthetic workload when absent.")] = None,  # noqa: UP045
+    limit: Annotated[Optional[int], typer.Option(help="Use only the first N requests of the trace.")] = None,  # noqa: UP045
     synthetic_requests: Annotated[int, typer.Option(help="Synthetic workload: requests.")] = 2000,
     rate: Annotated[float, typer.Option(help="Synthetic workload: arrivals per second.")] = 4.0,
-    conversations: Annotated[int, typer.Option(help="Synthetic workload: concurrent conversations.")] = 300,  # noqa: E501
-    turn_tokens: Annotated[int, typer.Option(help="Synthetic workload: mean new tokens per turn.")] = 1500,  # noqa: E501
-    system_tokens: Annotated[int, typer.Option(help="Synthetic workload: shared system prompt tokens.")] = 2048,  # noqa: E501
-    gpus: Annotated[Optional[int], typer.Option(help="GPUs per replica (default: the preset's).")] = None,  # noqa: UP045, E501
-    slo: Annotated[Optional[float], typer.Option(help="Objective: TTFT p99 SLO in seconds; cheapest config meeting it.")] = None,  # noqa: UP045, E501
-    budget: Annotated[Optional[float], typer.Option(help="Objective: $/month budget; lowest TTFT p99 within it.")] = None,  # noqa: UP045, E501
-    capacity: Annotated[Optional[list[str]], typer.Option(help="Pin a tier: TIER=SIZE (repeatable); all pinned = evaluate only.")] = None,  # noqa: UP045, E501
-    policy: Annotated[str, typer.Option(help="kvtier, lru-write-through or arc-write-through.")] = "kvtier",  # noqa: E501
+    conversations: Annotated[int, typer.Option(help="Synthetic workload: concurrent conversations.")] = 300,
+    turn_tokens: Annotated[int, typer.Option(help="Synthetic workload: mean new tokens per turn.")] = 1500,
+    system_tokens: Annotated[int, typer.Option(help="Synthetic workload: shared system prompt tokens.")] = 2048,
+    gpus: Annotated[Optional[int], typer.Option(help="GPUs per replica (default: the preset's).")] = None,  # noqa: UP045
+    slo: Annotated[Optional[float], typer.Option(help="Objective: TTFT p99 SLO in seconds; cheapest config meeting it.")] = None,  # noqa: UP045
+    budget: Annotated[Optional[float], typer.Option(help="Objective: $/month budget; lowest TTFT p99 within it.")] = None,  # noqa: UP045
+    capacity: Annotated[Optional[list[str]], typer.Option(help="Pin a tier: TIER=SIZE (repeatable); all pinned = evaluate only.")] = None,  # noqa: UP045
+    policy: Annotated[str, typer.Option(help="kvtier, lru-write-through or arc-write-through.")] = "kvtier",
     rounds: Annotated[int, typer.Option(help="Search rounds (coordinate descent).")] = 3,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the result as JSON.")] = None,  # noqa: UP045, E501
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the result as JSON.")] = None,  # noqa: UP045
     plots: Annotated[Optional[Path], typer.Option(help="Directory for PNG plots.")] = None,  # noqa: UP045
 ) -> None:
     """Recommend capacities per tier for a workload: hit rates, TTFT, $/month, SSD wear."""
@@ -159,8 +159,8 @@ def calc(
 @calc_app.command()
 def sweep(
     ctx: typer.Context,
-    tier: Annotated[list[str], typer.Option("--tier", help="TIER=SIZE,SIZE,... grid of one tier (repeatable); unnamed tiers are 0.")],  # noqa: E501
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write every point as JSON.")] = None,  # noqa: UP045, E501
+    tier: Annotated[list[str], typer.Option("--tier", help="TIER=SIZE,SIZE,... grid of one tier (repeatable); unnamed tiers are 0.")],
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write every point as JSON.")] = None,  # noqa: UP045
     plots: Annotated[Optional[Path], typer.Option(help="Directory for PNG plots.")] = None,  # noqa: UP045
 ) -> None:
     """Simulate a grid of capacities, with a progress bar; table, JSON and plots."""

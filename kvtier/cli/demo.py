@@ -66,7 +66,9 @@ def load_requests(trace: Path, n: int, seed: int) -> list[DemoRequest]:
 
 
 def _block_tokens(block_id: int) -> np.ndarray:
-    return np.random.default_rng(block_id).integers(0, 128000, size=TRACE_BLOCK_TOKENS, dtype=np.int32)
+    return np.random.default_rng(block_id).integers(
+        0, 128000, size=TRACE_BLOCK_TOKENS, dtype=np.int32
+    )
 
 
 class ChunkBytes:
@@ -96,7 +98,9 @@ def run_demo(cfg: KVTierConfig, *, sequences: int, trace: Path | None, seed: int
     chunk_bytes = spec.chunk_bytes(chunk_tokens)
     trace_path = trace or DEFAULT_TRACE
     reqs = load_requests(trace_path, sequences, seed)
-    source = f"{trace_path} (first {len(reqs)} requests)" if trace_path.exists() else "synthetic lengths"
+    source = (
+        f"{trace_path} (first {len(reqs)} requests)" if trace_path.exists() else "synthetic lengths"
+    )
     console.print(
         f"[bold]kvtier demo[/bold]: model {cfg.model.name} ({format_size(spec.bytes_per_token)}/token, "
         f"{format_size(chunk_bytes)}/chunk of {chunk_tokens} tokens), tiers "
@@ -150,7 +154,17 @@ def run_demo(cfg: KVTierConfig, *, sequences: int, trace: Path | None, seed: int
                 second["hits"] += load_and_verify(keys)
                 progress.advance(task2)
         elapsed = time.perf_counter() - t0
-        _report(console, store.stats(), first, second, reqs, all_keys, chunk_tokens, elapsed, moved_bytes)
+        _report(
+            console,
+            store.stats(),
+            first,
+            second,
+            reqs,
+            all_keys,
+            chunk_tokens,
+            elapsed,
+            moved_bytes,
+        )
     finally:
         store.close()
     if bad:
@@ -175,15 +189,31 @@ def _report(
 
     assert isinstance(stats, StoreStats)
     t = Table(title="tiers")
-    for col in ("tier", "kind", "capacity", "used", "extents", "ext. frag", "hits", "written", "read"):
+    for col in (
+        "tier",
+        "kind",
+        "capacity",
+        "used",
+        "extents",
+        "ext. frag",
+        "hits",
+        "written",
+        "read",
+    ):
         t.add_column(col, justify="right" if col not in ("tier", "kind") else "left")
     hits = dict(stats.tier_hits)
     for ts in stats.tiers:
         kind = ts.kind + (" (emulated)" if ts.emulated else "")
         t.add_row(
-            ts.name, kind, format_size(ts.capacity_bytes), format_size(ts.used_bytes),
-            str(ts.allocated_extents), f"{ts.external_fragmentation:.1%}", str(hits.get(ts.name, 0)),
-            format_size(ts.bytes_written), format_size(ts.bytes_read),
+            ts.name,
+            kind,
+            format_size(ts.capacity_bytes),
+            format_size(ts.used_bytes),
+            str(ts.allocated_extents),
+            f"{ts.external_fragmentation:.1%}",
+            str(hits.get(ts.name, 0)),
+            format_size(ts.bytes_written),
+            format_size(ts.bytes_read),
         )
     console.print(t)
     h = Table(title="hit rates (chunks)")

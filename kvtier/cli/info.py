@@ -23,9 +23,14 @@ def machine_report(data_dir: Path | None = None) -> dict[str, Any]:
 
     cuda_ok, cuda_why = cuda_available()
     nodes = numa.numa_nodes()
-    libcuda = any(Path(p).exists() for p in (
-        "/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/usr/lib64/libcuda.so.1", "/usr/lib/aarch64-linux-gnu/libcuda.so.1",
-    ))
+    libcuda = any(
+        Path(p).exists()
+        for p in (
+            "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+            "/usr/lib64/libcuda.so.1",
+            "/usr/lib/aarch64-linux-gnu/libcuda.so.1",
+        )
+    )
     disk_dir = data_dir or Path.cwd()
     du = shutil.disk_usage(disk_dir)
     return {
@@ -34,7 +39,12 @@ def machine_report(data_dir: Path | None = None) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "cuda": {"available": cuda_ok, "detail": cuda_why, "libcuda": libcuda},
         "numa_nodes": [
-            {"node": n.node_id, "cpus": n.cpus, "mem_bytes": n.mem_total_bytes, "cpuless": n.cpuless}
+            {
+                "node": n.node_id,
+                "cpus": n.cpus,
+                "mem_bytes": n.mem_total_bytes,
+                "cpuless": n.cpuless,
+            }
             for n in nodes
         ],
         "cxl_candidates": [n.node_id for n in numa.cxl_candidates()],
@@ -55,15 +65,24 @@ def run_info(json_out: Path | None) -> None:
     t.add_column("value")
     t.add_row("python / arch / cpus", f"{rep['python']} / {rep['machine']} / {rep['cpus']}")
     t.add_row("CUDA", f"{'yes' if rep['cuda']['available'] else 'no'}: {rep['cuda']['detail']}")
-    t.add_row("libcuda", "present" if rep["cuda"]["libcuda"] else "absent (NVMe tier uses the POSIX engine)")
+    t.add_row(
+        "libcuda",
+        "present" if rep["cuda"]["libcuda"] else "absent (NVMe tier uses the POSIX engine)",
+    )
     nodes = ", ".join(
         f"node{n['node']} ({'cpu-less' if n['cpuless'] else 'cpus ' + n['cpus']}, {format_size(n['mem_bytes'])})"
         for n in rep["numa_nodes"]
     )
     t.add_row("NUMA nodes", nodes or "none reported")
-    t.add_row("CXL candidates", ", ".join(map(str, rep["cxl_candidates"])) or "none: the cxl tier runs emulated")
+    t.add_row(
+        "CXL candidates",
+        ", ".join(map(str, rep["cxl_candidates"])) or "none: the cxl tier runs emulated",
+    )
     t.add_row("kvikio", f"installed={rep['kvikio']['installed']} usable={rep['kvikio']['usable']}")
-    t.add_row("disk", f"{rep['disk']['path']}: {format_size(rep['disk']['free_bytes'])} free of {format_size(rep['disk']['total_bytes'])}")
+    t.add_row(
+        "disk",
+        f"{rep['disk']['path']}: {format_size(rep['disk']['free_bytes'])} free of {format_size(rep['disk']['total_bytes'])}",
+    )
     t.add_row("/dev/shm free", format_size(rep["shm_bytes"]))
     out.print(t)
     if json_out:

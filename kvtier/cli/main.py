@@ -40,18 +40,26 @@ def _setup_logging(level: str = "INFO") -> None:
     from rich.logging import RichHandler
 
     logging.basicConfig(
-        level=level.upper(), format="%(message)s", handlers=[RichHandler(console=console, show_path=False)]
+        level=level.upper(),
+        format="%(message)s",
+        handlers=[RichHandler(console=console, show_path=False)],
     )
 
 
 @app.command()
 def info(
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the report as JSON.")] = None,  # noqa: UP045
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Write the report as JSON.")
+    ] = None,
     profile: Annotated[
         Optional[Path],  # noqa: UP045
-        typer.Option(help="Measure memory and disk bandwidth into a hardware TOML for kvtier calc."),
+        typer.Option(
+            help="Measure memory and disk bandwidth into a hardware TOML for kvtier calc."
+        ),
     ] = None,
-    disk_dir: Annotated[Path, typer.Option(help="Directory whose disk --profile measures.")] = Path("."),
+    disk_dir: Annotated[Path, typer.Option(help="Directory whose disk --profile measures.")] = Path(
+        "."
+    ),
 ) -> None:
     """Describe this machine: CUDA, NUMA nodes, CXL candidates, kvikio, disks."""
     from kvtier.cli.info import run_info
@@ -61,7 +69,9 @@ def info(
         from kvtier.policies.measure import measure, to_toml
 
         profile.write_text(to_toml(measure(disk_dir)))
-        console.print(f"hardware profile written to {profile} (use: kvtier calc --hardware {profile})")
+        console.print(
+            f"hardware profile written to {profile} (use: kvtier calc --hardware {profile})"
+        )
 
 
 @app.command()
@@ -130,7 +140,9 @@ def serve(
 def bench(
     ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="Benchmark: fragmentation, host, keys, ...")],
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write results as JSON.")] = None,  # noqa: UP045
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Write results as JSON.")
+    ] = None,
 ) -> None:
     """Run a benchmark from kvtier.bench; extra arguments go to the benchmark."""
     module_name = name.replace("-", "_")

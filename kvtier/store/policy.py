@@ -70,7 +70,7 @@ class LRUEviction(EvictionPolicy):
         return iter(self._order)  # the store never mutates while it iterates
 
 
-class PlacementPolicy(ABC):
+class PlacementPolicy(ABC):  # noqa: B024 - every hook has a sane default; subclass what you need
     """Where chunks go. The default keeps everything and demotes one tier at a time."""
 
     def admit(self, tier: int, keys: Sequence[ChunkKey], value_bytes: int) -> bool:
@@ -116,7 +116,9 @@ def placement_factory(name: str) -> PlacementFactory:
             try:
                 factory: PlacementFactory = ep.load()
             except (ImportError, AttributeError) as exc:
-                raise PluginError(f"placement {name!r} ({ep.value}) cannot be loaded: {exc}") from exc
+                raise PluginError(
+                    f"placement {name!r} ({ep.value}) cannot be loaded: {exc}"
+                ) from exc
             return factory
     names = ["keep", *(ep.name for ep in entry_points(group="kvtier.placement"))]
     raise ConfigError("store.placement", name, f"one of {sorted(names)}")

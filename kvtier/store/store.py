@@ -26,7 +26,6 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -165,11 +164,25 @@ class TieredStore:
         self._listeners: list[Listener] = []
         self._closed = False
         self._c: dict[str, int] = dict.fromkeys(
-            (
-                "lookups lookup_hit_chunks lookup_miss_chunks gets get_chunks get_bytes puts "
-                "put_chunks put_present put_rejected demoted_chunks promoted_chunks "
-                "dropped_chunks deleted_chunks corrupt_chunks tier_errors adopted_chunks"
-            ).split(),
+            [
+                "lookups",
+                "lookup_hit_chunks",
+                "lookup_miss_chunks",
+                "gets",
+                "get_chunks",
+                "get_bytes",
+                "puts",
+                "put_chunks",
+                "put_present",
+                "put_rejected",
+                "demoted_chunks",
+                "promoted_chunks",
+                "dropped_chunks",
+                "deleted_chunks",
+                "corrupt_chunks",
+                "tier_errors",
+                "adopted_chunks",
+            ],
             0,
         )
         self._tier_hits = [0] * len(self.tiers)
@@ -338,7 +351,9 @@ class TieredStore:
             c = dict(self._c)
             chunks = len(self._index)
             hits = tuple((t.name, n) for t, n in zip(self.tiers, self._tier_hits, strict=True))
-        return StoreStats(chunks=chunks, tier_hits=hits, tiers=tuple(t.stats() for t in self.tiers), **c)
+        return StoreStats(
+            chunks=chunks, tier_hits=hits, tiers=tuple(t.stats() for t in self.tiers), **c
+        )
 
     def drain(self) -> None:
         """Wait until no operation is queued or running, background promotions included."""
@@ -677,7 +692,9 @@ class TieredStore:
                 break
         return self._claim_movers_locked(keys, lambda e: True)
 
-    def _claim_movers_locked(self, keys: Sequence[ChunkKey], ok: Callable[[_Entry], bool]) -> list[_Slot]:
+    def _claim_movers_locked(
+        self, keys: Sequence[ChunkKey], ok: Callable[[_Entry], bool]
+    ) -> list[_Slot]:
         """Mark chunks as moving (so no other mover takes them) and read-hold their slots."""
         out: list[_Slot] = []
         for key in keys:
@@ -750,7 +767,9 @@ class TieredStore:
         good = [i for i in range(len(victims)) if ok[i]]
         for first, _, run in runs_of([new_slots[i] for i in good]):
             idx = good[first : first + run.n]
-            contiguous = all(starts[i] == starts[idx[0]] + j * run.value_bytes for j, i in enumerate(idx))
+            contiguous = all(
+                starts[i] == starts[idx[0]] + j * run.value_bytes for j, i in enumerate(idx)
+            )
             try:
                 if contiguous:
                     lo = starts[idx[0]]
@@ -847,7 +866,11 @@ class TieredStore:
         if seen % 1000 == 0:
             log.warning(
                 "tier %s %s failed for %d chunk(s), served as a miss (%d so far): %s",
-                name, op, n, seen + 1, exc,
+                name,
+                op,
+                n,
+                seen + 1,
+                exc,
             )
         self._emit(StoreEvent(EventKind.TIER_ERROR, name, n, 0, f"{op}: {exc}"))
 

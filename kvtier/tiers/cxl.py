@@ -50,14 +50,21 @@ class CXLTier(HostTier):
     kind = "cxl"
 
     def __init__(
-        self, name: str, capacity_bytes: int, slot_bytes: int, max_extent_bytes: int, options: Options
+        self,
+        name: str,
+        capacity_bytes: int,
+        slot_bytes: int,
+        max_extent_bytes: int,
+        options: Options,
     ) -> None:
         node = options.numa_node
         if node is None and options.emulate is not Switch.ON:
             found = numa.cxl_candidates()
             node = found[0].node_id if found else None
         if node is None and options.emulate is Switch.OFF:
-            raise ConfigError(f"tiers.{name}.emulate", "off", "'auto' or 'on': no CPU-less NUMA node here")
+            raise ConfigError(
+                f"tiers.{name}.emulate", "off", "'auto' or 'on': no CPU-less NUMA node here"
+            )
         self.emulated = options.emulate is Switch.ON or node is None
         self._latency_s = options.latency_us * 1e-6
         self._bandwidth_Bps = options.bandwidth_gbps * 1e9
@@ -67,7 +74,9 @@ class CXLTier(HostTier):
         if self.emulated:
             log.warning(
                 "tier %s: no CXL memory in use; EMULATED with %.2f us latency and %.1f GB/s",
-                name, options.latency_us, options.bandwidth_gbps,
+                name,
+                options.latency_us,
+                options.bandwidth_gbps,
             )
         else:
             log.info("tier %s: CXL memory on NUMA node %s", name, node)
@@ -93,4 +102,6 @@ class CXLTier(HostTier):
 
 
 def create(section: TierSection, slot_bytes: int, max_extent_bytes: int) -> CXLTier:
-    return CXLTier(section.name, section.capacity_bytes, slot_bytes, max_extent_bytes, section.options)
+    return CXLTier(
+        section.name, section.capacity_bytes, slot_bytes, max_extent_bytes, section.options
+    )

@@ -43,7 +43,12 @@ class GPUTier(Tier):
     kind = "gpu"
 
     def __init__(
-        self, name: str, capacity_bytes: int, slot_bytes: int, max_extent_bytes: int, options: Options
+        self,
+        name: str,
+        capacity_bytes: int,
+        slot_bytes: int,
+        max_extent_bytes: int,
+        options: Options,
     ) -> None:
         ok, why = cuda_available()
         if not ok:
@@ -51,7 +56,10 @@ class GPUTier(Tier):
         import torch
 
         super().__init__(
-            name, capacity_bytes, slot_bytes, max_extent_bytes,
+            name,
+            capacity_bytes,
+            slot_bytes,
+            max_extent_bytes,
             TierProfile(latency_s=1e-6, bandwidth_Bps=2e12, cost_per_gb_month=60.0),
         )
         self._torch = torch
@@ -81,4 +89,6 @@ class GPUTier(Tier):
 
 
 def create(section: TierSection, slot_bytes: int, max_extent_bytes: int) -> GPUTier:
-    return GPUTier(section.name, section.capacity_bytes, slot_bytes, max_extent_bytes, section.options)
+    return GPUTier(
+        section.name, section.capacity_bytes, slot_bytes, max_extent_bytes, section.options
+    )

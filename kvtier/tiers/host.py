@@ -1,4 +1,4 @@
-"""The ``host`` tier: DRAM in shared memory, pinned for CUDA where present, NUMA-bound on request."""
+"""The ``host`` tier: DRAM in shared memory, CUDA-pinned where present, NUMA-bound on request."""
 
 from __future__ import annotations
 
@@ -110,7 +110,11 @@ class HostTier(Tier):
         opts = options or Options()
         self._copy_threads = max(1, opts.copy_threads)
         self.arena = SharedArena(
-            self.capacity_bytes, name, numa_node=opts.numa_node, pin=opts.pin, prefault=opts.prefault
+            self.capacity_bytes,
+            name,
+            numa_node=opts.numa_node,
+            pin=opts.pin,
+            prefault=opts.prefault,
         )
 
     @property
@@ -137,5 +141,10 @@ HOST_PROFILE = TierProfile(latency_s=2e-6, bandwidth_Bps=50e9, cost_per_gb_month
 
 def create(section: TierSection, slot_bytes: int, max_extent_bytes: int) -> HostTier:
     return HostTier(
-        section.name, section.capacity_bytes, slot_bytes, max_extent_bytes, section.options, HOST_PROFILE
+        section.name,
+        section.capacity_bytes,
+        slot_bytes,
+        max_extent_bytes,
+        section.options,
+        HOST_PROFILE,
     )

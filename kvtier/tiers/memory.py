@@ -82,7 +82,9 @@ class SharedArena:
                 os.close(fd)
         except OSError as exc:
             self.path.unlink(missing_ok=True)
-            raise TierIOError(f"cannot create a {size_bytes}-byte arena at {self.path}: {exc}") from exc
+            raise TierIOError(
+                f"cannot create a {size_bytes}-byte arena at {self.path}: {exc}"
+            ) from exc
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
         if numa_node is not None:

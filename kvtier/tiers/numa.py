@@ -69,8 +69,15 @@ def bind(addr: int, length: int, node: int) -> None:
     maxnode = 64 * ((node // 64) + 1)
     mask = (ctypes.c_ulong * (maxnode // 64))()
     mask[node // 64] = 1 << (node % 64)
-    rc = libc.syscall(nr, ctypes.c_void_p(addr), ctypes.c_ulong(length), _MPOL_BIND, mask,
-                      ctypes.c_ulong(maxnode + 1), 0)
+    rc = libc.syscall(
+        nr,
+        ctypes.c_void_p(addr),
+        ctypes.c_ulong(length),
+        _MPOL_BIND,
+        mask,
+        ctypes.c_ulong(maxnode + 1),
+        0,
+    )
     if rc != 0:
         err = ctypes.get_errno()
         raise TierUnavailableError(f"mbind to node {node} failed: {os.strerror(err)}")

@@ -53,8 +53,11 @@ def tier_options_class(kind: str, where: str = "tiers") -> type[Any]:
 def is_shared_kind(kind: str) -> bool:
     """Whether tiers of this kind are shared with other processes and hosts (Redis)."""
     module = _module(kind, "tiers")
-    return any(getattr(obj, "shared", False) is True for obj in vars(module).values()
-               if isinstance(obj, type) and obj.__module__.startswith(module.__name__))
+    return any(
+        getattr(obj, "shared", False) is True
+        for obj in vars(module).values()
+        if isinstance(obj, type) and obj.__module__.startswith(module.__name__)
+    )
 
 
 def create_tier(section: TierSection, slot_bytes: int, max_extent_bytes: int) -> Tier:

@@ -19,7 +19,6 @@ from kvtier.connectors.vllm.settings import (  # noqa: E402
     rank_salt,
     request_extra,
 )
-
 from kvtier.errors import ConfigError, SpecError  # noqa: E402
 from kvtier.spec import KVSpec  # noqa: E402
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier.config import Switch
 from kvtier.errors import InputError
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
 from kvtier.tiers.base import SlotRun, Tier
 from kvtier.tiers.host import HostTier, Options
-from kvtier.config import Switch
 from tests.contract.tiers import TIER_FACTORIES
 
 SLOT = 16 * 1024

@@ -6,6 +6,7 @@ import os
 
 import httpx
 import pytest
+
 from kvtier.service import wire
 
 from .conftest import Daemon

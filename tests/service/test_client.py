@@ -9,11 +9,11 @@ import os
 import httpx
 import numpy as np
 import pytest
+
+from kvtier.errors import AuthError, InputError, TransportError
 from kvtier.service import wire
 from kvtier.service.client import AsyncClient, Client
 from kvtier.service.protocol import BatchSink, RetryPolicy
-
-from kvtier.errors import AuthError, InputError, TransportError
 
 from .conftest import TOKENS, Daemon, DaemonFactory, free_port
 

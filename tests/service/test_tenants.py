@@ -7,6 +7,7 @@ import subprocess
 
 import httpx
 import pytest
+
 from kvtier.service import wire
 
 from .conftest import TOKENS, Daemon, free_port, kvtier_cmd

@@ -8,9 +8,9 @@ import struct
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kvtier.service import wire
 
 from kvtier.errors import InputError
+from kvtier.service import wire
 
 
 @given(st.lists(st.binary(min_size=1, max_size=64), max_size=20))
