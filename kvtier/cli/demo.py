@@ -165,6 +165,12 @@ def run_demo(cfg: KVTierConfig, *, sequences: int, trace: Path | None, seed: int
             elapsed,
             moved_bytes,
         )
+        if cfg.store.placement != "keep":
+            console.print(
+                f"placement {cfg.store.placement!r}: victims with too little reuse evidence are "
+                "dropped rather than written to slower tiers (SSD writes are a budget); "
+                "--set store.placement=keep writes everything through, as the peers do"
+            )
     finally:
         store.close()
     if bad:
