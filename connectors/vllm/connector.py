@@ -33,6 +33,7 @@ from kvtier.errors import SpecError
 from kvtier.spec import DType, KVSpec
 
 from .metadata import KVTierConnectorStats, KVTierMetadata, KVTierWorkerMeta
+from .remote import DaemonLookup, RemoteStore, daemon_from_extra
 from .scheduler import SchedulerSide
 from .settings import (
     KeyScheme,
@@ -102,6 +103,7 @@ class KVTierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = self._kv_transfer_config
         self.cfg = config_from_extra(ktc.kv_connector_extra_config or {})
+        self.daemon = daemon_from_extra(ktc.kv_connector_extra_config or {})
         block_size = int(vllm_config.cache_config.block_size)
         check_chunk_tokens(self.cfg.store.chunk_tokens, block_size)
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
@@ -122,6 +124,12 @@ class KVTierConnector(KVConnectorBase_V1):
                 str(vllm_config.model_config.model), spec, self.cfg.store.chunk_tokens
             )
             per_rank = replace(spec, tp_rank=0)
+            remote = None
+            if self.daemon is not None:
+                chunk_bytes = per_rank.chunk_bytes(self.cfg.store.chunk_tokens)
+                remote = DaemonLookup(
+                    RemoteStore(self.daemon, chunk_bytes), vllm_config.parallel_config.world_size
+                )
             self._sched = SchedulerSide(
                 scheme,
                 block_size,
@@ -129,12 +137,15 @@ class KVTierConnector(KVConnectorBase_V1):
                 mirror_capacity=mirror_capacity(
                     self.cfg, per_rank.chunk_bytes(self.cfg.store.chunk_tokens)
                 ),
+                remote=remote,
             )
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
             rank_spec = replace(spec, tp_rank=get_tensor_model_parallel_rank())
-            self._worker = WorkerSide(self.cfg, rank_spec, get_pp_group().rank_in_group, block_size)
+            self._worker = WorkerSide(
+                self.cfg, rank_spec, get_pp_group().rank_in_group, block_size, self.daemon
+            )
 
     # -- helpers --------------------------------------------------------------------------
 

@@ -75,16 +75,21 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
         stored: logical key -> number of ranks on which it is now stored.
         failed: logical key -> number of ranks on which its save failed or was declined.
         missing: logical keys a load did not find (evicted, or a tier failed).
+        salts: daemon mode only: the rank-key salts of the workers (settings.rank_salt),
+            so the scheduler side can ask the daemon for other engines' chunks.
     """
 
     stored: dict[bytes, int] = field(default_factory=dict)
     failed: dict[bytes, int] = field(default_factory=dict)
     missing: set[bytes] = field(default_factory=set)
+    salts: frozenset[bytes] = frozenset()
 
     @override
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMeta)
-        out = KVTierWorkerMeta(dict(self.stored), dict(self.failed), set(self.missing))
+        out = KVTierWorkerMeta(
+            dict(self.stored), dict(self.failed), set(self.missing), self.salts | other.salts
+        )
         for k, n in other.stored.items():
             out.stored[k] = out.stored.get(k, 0) + n
         for k, n in other.failed.items():
@@ -93,7 +98,7 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
         return out
 
     def is_empty(self) -> bool:
-        return not (self.stored or self.failed or self.missing)
+        return not (self.stored or self.failed or self.missing or self.salts)
 
 
 # Counters both sides report; all are sums over the interval and over workers.

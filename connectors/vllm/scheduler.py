@@ -13,6 +13,7 @@ Threading: vLLM calls every method on the EngineCore's scheduler thread.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
+
+    from .remote import DaemonLookup
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +112,21 @@ class SchedulerSide:
         world_size: workers that each hold their own store (TP x PP); a key is loadable
             once all of them confirmed it.
         mirror_capacity: most keys the mirror lists.
+        remote: daemon mode: asks the shared daemon for chunks beyond the mirror (stored by
+            other engines).
     """
 
+    # Daemon mode: how long a request may wait for the workers' salts (they arrive with
+    # the first step's worker metadata) before it is looked up as a miss.
+    SALT_WAIT_S = 10.0
+
     def __init__(
-        self, scheme: KeyScheme, block_size: int, world_size: int, mirror_capacity: int
+        self,
+        scheme: KeyScheme,
+        block_size: int,
+        world_size: int,
+        mirror_capacity: int,
+        remote: DaemonLookup | None = None,
     ) -> None:
         self.scheme = scheme
         self.hasher = scheme.hasher()
@@ -121,6 +135,8 @@ class SchedulerSide:
         self.blocks_per_chunk = scheme.chunk_tokens // block_size
         self.world_size = world_size
         self.mirror = KeyMirror(mirror_capacity)
+        self.remote = remote
+        self._salt_wait_since: float | None = None
         # key -> [ranks confirmed, ranks failed], for saves in flight.
         self._pending: dict[bytes, list[int]] = {}
         self._reqs: dict[str, _Req] = {}
@@ -152,11 +168,33 @@ class SchedulerSide:
         n = matched_chunks(keys, request.num_tokens, self.chunk_tokens, self.mirror, self._pending)
         if n is None:
             return None, False
+        if self.remote is not None:
+            limit = (request.num_tokens - 1) // self.chunk_tokens
+            if n < limit and keys[n] not in self._pending:
+                more = self._remote_hits(keys[n:limit])
+                if more is None:
+                    return None, False
+                n += more
         self._lookup[request.request_id] = (num_computed_tokens, n)
         hit = n * self.chunk_tokens - num_computed_tokens
         # Loads are synchronous (before this step's forward): on a CPU engine the copy
         # from host memory takes far less than a step, and the request runs at once.
         return (hit, False) if hit > 0 else (0, False)
+
+    def _remote_hits(self, keys: list[bytes]) -> int | None:
+        """Chunks the daemon holds beyond the mirror; None to ask again next step."""
+        remote = self.remote
+        assert remote is not None
+        if not remote.ready():
+            # The workers' salts come with the first step's metadata (vLLM runs steps
+            # while a request waits); bounded, so a silent worker only costs misses.
+            now = time.monotonic()
+            if self._salt_wait_since is None:
+                self._salt_wait_since = now
+            if now - self._salt_wait_since < self.SALT_WAIT_S:
+                return None
+            return 0
+        return remote.hits(keys)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -260,6 +298,8 @@ class SchedulerSide:
     def update_connector_output(self, worker_meta: KVTierWorkerMeta | None) -> None:
         if worker_meta is None:
             return
+        if self.remote is not None and worker_meta.salts:
+            self.remote.salts |= worker_meta.salts
         for key, n in worker_meta.stored.items():
             self._settle(key, n, 0)
         for key, n in worker_meta.failed.items():

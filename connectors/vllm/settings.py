@@ -34,6 +34,8 @@ from kvtier.errors import ConfigError
 from kvtier.keys import ChunkHasher, ChunkKey, Namespace
 from kvtier.spec import KVSpec
 
+from .remote import DAEMON_KEYS
+
 CONFIG_FILE_KEY = "config_file"
 
 # How many more chunks the scheduler's mirror of the store may list than the store can
@@ -63,7 +65,7 @@ def config_from_extra(
     nested: dict[str, Any] = {}
     dotted: list[str] = []
     for key, value in extra.items():
-        if key == CONFIG_FILE_KEY:
+        if key == CONFIG_FILE_KEY or key in DAEMON_KEYS:  # daemon mode: see remote.py
             continue
         if "." in key:
             dotted.append(f"{key}={value}")

@@ -40,6 +40,7 @@ from .metadata import (
     SaveOp,
 )
 from .mover import BlockMover, TorchBlockMover
+from .remote import DaemonSettings, RemoteStore
 from .settings import rank_keys, rank_salt
 
 log = logging.getLogger(__name__)
@@ -53,9 +54,17 @@ class WorkerSide:
         spec: this rank's KV spec (its fingerprint holds the TP rank and size).
         pp_rank: pipeline stage, part of the rank keys.
         block_size: vLLM's block size, in tokens.
+        daemon: a running kvtier daemon to use instead of an embedded store (remote.py).
     """
 
-    def __init__(self, cfg: KVTierConfig, spec: KVSpec, pp_rank: int, block_size: int) -> None:
+    def __init__(
+        self,
+        cfg: KVTierConfig,
+        spec: KVSpec,
+        pp_rank: int,
+        block_size: int,
+        daemon: DaemonSettings | None = None,
+    ) -> None:
         self.cfg = cfg
         self.spec = spec
         self.pp_rank = pp_rank
@@ -63,7 +72,11 @@ class WorkerSide:
         self.chunk_tokens = cfg.store.chunk_tokens
         self.blocks_per_chunk = self.chunk_tokens // block_size
         self.mover: BlockMover | None = None
-        self.store: TieredStore | None = None
+        self.store: TieredStore | RemoteStore | None = None
+        self.daemon = daemon
+        # Daemon mode: this rank's key salt, announced to the scheduler side in every
+        # worker metadata so that it can look up other engines' chunks (remote.py).
+        self._announce: frozenset[bytes] = frozenset()
         self._salt = b""
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-save")
         self._lock = threading.Condition()
@@ -91,8 +104,12 @@ class WorkerSide:
         torch_mover = TorchBlockMover(list(kv_caches.values()))
         self.mover = mover or torch_mover
         value_bytes = self.mover.block_bytes * self.blocks_per_chunk
-        self.store = build_store(self.cfg, spec=self.spec, chunk_bytes=value_bytes).store
         self._salt = rank_salt(self.spec, self.pp_rank, torch_mover.layout)
+        if self.daemon is not None:
+            self.store = RemoteStore(self.daemon, value_bytes)
+            self._announce = frozenset({self._salt})
+        else:
+            self.store = build_store(self.cfg, spec=self.spec, chunk_bytes=value_bytes).store
         log.info(
             "kvtier worker: %d layers, %d B per block-layer (%s), chunk %d tokens = %d B; tiers %s",
             self.mover.num_layers,
@@ -207,7 +224,7 @@ class WorkerSide:
 
     def build_worker_meta(self) -> KVTierWorkerMeta | None:
         with self._lock:
-            meta = KVTierWorkerMeta(self._stored, self._failed, self._missing)
+            meta = KVTierWorkerMeta(self._stored, self._failed, self._missing, self._announce)
             self._stored, self._failed, self._missing = {}, {}, set()
         return None if meta.is_empty() else meta
 

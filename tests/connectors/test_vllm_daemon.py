@@ -1,0 +1,131 @@
+"""Daemon mode: two vLLM engines (separate processes) share one real ``kvtier serve``.
+
+The engines run one after the other (two engine processes at once do not fit two
+cores), each in-process and eager (daemon_driver.py). The second engine also lives
+through the daemon being killed (SIGKILL, a real fault) and restarted on the same port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.connectors.conftest import CHUNK
+from tests.service.conftest import Daemon, free_port, start_daemon
+
+pytest.importorskip("vllm")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+HIT_TOKENS = 4 * CHUNK  # the 300-token prompt's full chunks
+
+
+@dataclass
+class Runs:
+    store: dict[str, Any]
+    share: dict[str, Any]
+    share_log: str
+
+
+def _driver(model: str, url: str, out: Path, mode: str, log: Path) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "KVTIER_"))}
+    with log.open("wb") as f:
+        return subprocess.Popen(
+            [sys.executable, "-m", "tests.connectors.daemon_driver", model, url, str(out), mode],
+            cwd=ROOT,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def _wait(proc: subprocess.Popen[bytes], path: Path, log: Path, timeout_s: float = 400) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"driver exited {proc.returncode}:\n{log.read_text()[-4000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"driver never wrote {path.name}:\n{log.read_text()[-4000:]}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
+    tmp = tmp_path_factory.mktemp("daemon-mode")
+    port = free_port()
+    daemons: list[Daemon] = [start_daemon(tmp, port=port)]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        url = daemons[0].url
+        log_a, log_b = tmp / "engine-a.log", tmp / "engine-b.log"
+        a = _driver(tiny_model, url, tmp, "store", log_a)
+        procs.append(a)
+        _wait(a, tmp / "result-store.json", log_a)
+        assert a.wait(timeout=120) == 0, log_a.read_text()[-4000:]
+
+        b = _driver(tiny_model, url, tmp, "share", log_b)
+        procs.append(b)
+        _wait(b, tmp / "down?", log_b)
+        daemons[0].proc.kill()  # a crash, not a graceful stop
+        daemons[0].proc.wait()
+        (tmp / "down").touch()
+        _wait(b, tmp / "up?", log_b)
+        daemons.append(start_daemon(tmp, port=port))
+        (tmp / "up").touch()
+        _wait(b, tmp / "result-share.json", log_b)
+        assert b.wait(timeout=120) == 0, log_b.read_text()[-4000:]
+        yield Runs(
+            json.loads((tmp / "result-store.json").read_text()),
+            json.loads((tmp / "result-share.json").read_text()),
+            log_b.read_text(),
+        )
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for d in daemons:
+            d.stop()
+
+
+def test_first_engine_stores_into_the_daemon(runs: Runs) -> None:
+    r = runs.store
+    assert r["first_cached"] == 0
+    # The repeat is loaded back from the daemon (the engine has no store of its own).
+    assert r["again_cached"] == HIT_TOKENS
+    assert r["totals"]["load_chunks"] == 4
+    assert r["again"] == r["first"]
+
+
+def test_second_engine_hits_what_the_first_stored(runs: Runs) -> None:
+    r = runs.share
+    # Its own mirror is empty: the scheduler side found the chunks in the daemon.
+    assert r["hit_cached"] == HIT_TOKENS
+    assert r["totals_hit"]["load_chunks"] == 4
+    assert r["hit"] == runs.store["first"]
+
+
+def test_daemon_killed_degrades_to_misses_and_recovers(runs: Runs) -> None:
+    r = runs.share
+    # Daemon gone: vLLM keeps serving, every prompt computed, outputs as recomputed.
+    assert r["down_new_cached"] == 0
+    assert r["down_new"] == r["recomputed"]
+    assert r["down_shared_cached"] == 0
+    assert r["down_shared"] == runs.store["first"]
+    assert r["totals_down"].get("save_failed_chunks", 0) >= 4  # the dropped saves
+    assert "serving misses and dropping saves" in runs.share_log  # the logged reason
+    # Daemon back on the same port: a new prompt stores, and its repeat hits.
+    assert r["up_first_cached"] == 0
+    assert r["up_again_cached"] == HIT_TOKENS
+    assert r["up_again"] == r["up_first"]
+    assert r["totals_up"]["load_chunks"] == r["totals_hit"]["load_chunks"] + 4
