@@ -59,6 +59,14 @@ def _args(argv: list[str]) -> argparse.Namespace:
         help="pause between the miss and the hit (0: back to back, the hit waits for the "
         "miss's saves to land; > 0: the hit measures the load alone)",
     )
+    p.add_argument(
+        "--daemon",
+        default=None,
+        metavar="URL",
+        help="kvtier source only: the connector uses this running daemon (`kvtier serve`, "
+        "service.max_value_bytes >= the chunk) instead of an embedded host tier",
+    )
+    p.add_argument("--token", default=None, help="bearer token for --daemon")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -95,6 +103,10 @@ def main(argv: list[str]) -> int:
             },
         }
     }
+    if a.daemon:
+        # Daemon mode: the host tier above only sizes the scheduler's mirror.
+        extra = connector_cfg["kv_transfer_config"]["kv_connector_extra_config"]
+        extra.update({"url": a.daemon, **({"token": a.token} if a.token else {})})
     if a.source == "example":
         connector_cfg = {
             "kv_transfer_config": {
@@ -171,7 +183,9 @@ def main(argv: list[str]) -> int:
     row: dict[str, Any] = {
         "scenario": f"same prompt twice, fresh salt per repeat; hit from {a.source}",
         "prompt_tokens": a.tokens,
-        "tier": {"kvtier": "host", "prefix-cache": "vllm-prefix-cache"}.get(a.source, "disk"),
+        "tier": "daemon"
+        if kvtier and a.daemon
+        else {"kvtier": "host", "prefix-cache": "vllm-prefix-cache"}.get(a.source, "disk"),
         "ttft_s": med_hit,
         "ttft_min_s": min(hit_s),
         "ttft_max_s": max(hit_s),

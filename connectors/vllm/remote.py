@@ -156,6 +156,9 @@ class RemoteStore:
                 f">= the connector's chunk of {self.chunk_bytes} B (daemon {self.settings.url}); "
                 "raise it on the daemon or lower store.chunk_tokens",
             )
+        # Batches split under the daemon's own limits, not the client's defaults.
+        self._client.max_body_bytes = int(limits["max_body_bytes"])
+        self._client.batch_keys = int(limits["max_batch_keys"])
         log.info(
             "kvtier daemon mode: %s, chunk %d B (daemon max_value_bytes %d)",
             self.settings.url,
