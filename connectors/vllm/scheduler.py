@@ -137,6 +137,10 @@ class SchedulerSide:
         self.mirror = KeyMirror(mirror_capacity)
         self.remote = remote
         self._salt_wait_since: float | None = None
+        # Daemon answers per request: req id -> (first key asked, keys asked, hits). vLLM
+        # asks again for a request it could not place; one round trip per request is
+        # enough (and repeated lookups would count as repeated misses on the daemon).
+        self._remote_memo: dict[str, tuple[bytes, int, int]] = {}
         # key -> [ranks confirmed, ranks failed], for saves in flight.
         self._pending: dict[bytes, list[int]] = {}
         self._reqs: dict[str, _Req] = {}
@@ -171,7 +175,7 @@ class SchedulerSide:
         if self.remote is not None:
             limit = (request.num_tokens - 1) // self.chunk_tokens
             if n < limit and keys[n] not in self._pending:
-                more = self._remote_hits(keys[n:limit])
+                more = self._remote_hits(request.request_id, keys[n:limit])
                 if more is None:
                     return None, False
                 n += more
@@ -181,10 +185,13 @@ class SchedulerSide:
         # from host memory takes far less than a step, and the request runs at once.
         return (hit, False) if hit > 0 else (0, False)
 
-    def _remote_hits(self, keys: list[bytes]) -> int | None:
+    def _remote_hits(self, req_id: str, keys: list[bytes]) -> int | None:
         """Chunks the daemon holds beyond the mirror; None to ask again next step."""
         remote = self.remote
         assert remote is not None
+        memo = self._remote_memo.get(req_id)
+        if memo is not None and memo[0] == keys[0] and memo[1] == len(keys):
+            return memo[2]
         if not remote.ready():
             # The workers' salts come with the first step's metadata (vLLM runs steps
             # while a request waits); bounded, so a silent worker only costs misses.
@@ -194,7 +201,9 @@ class SchedulerSide:
             if now - self._salt_wait_since < self.SALT_WAIT_S:
                 return None
             return 0
-        return remote.hits(keys)
+        hits = remote.hits(keys)
+        self._remote_memo[req_id] = (keys[0], len(keys), hits)
+        return hits
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -293,6 +302,7 @@ class SchedulerSide:
         st = self._reqs.pop(rid, None)
         self._lookup.pop(rid, None)
         self._memo.pop(rid, None)
+        self._remote_memo.pop(rid, None)
         return (st is not None and st.had_saves), None
 
     def update_connector_output(self, worker_meta: KVTierWorkerMeta | None) -> None:
@@ -307,6 +317,7 @@ class SchedulerSide:
         for key in worker_meta.missing:
             self.mirror.discard(key)
         if worker_meta.missing:
+            self._remote_memo.clear()  # the daemon lost chunks it reported: ask again
             # vLLM recomputes the chunks that failed to load; offer them for saving again.
             for st in self._reqs.values():
                 for i in range(min(st.next_chunk, len(st.keys))):
