@@ -6,7 +6,10 @@ Usage: python -m tests.connectors.daemon_driver MODEL_DIR URL OUT_DIR MODE
 MODE ``store``: compute the shared prompt (its chunks go to the daemon), then run it
 again (a hit loaded back from the daemon, proving the chunks are there).
 
-MODE ``share``: a second engine. Run the shared prompt (a hit on the first engine's
+MODE ``mp``: the default multi-process engine (scheduler side and worker in different
+processes, so the workers' salts cross a process boundary): run the shared prompt once.
+
+MODE ``share``: another engine. Run the shared prompt (a hit on the first engine's
 chunks), then hand-shake with the test through files in OUT_DIR: ``down?`` -> the test
 kills the daemon -> ``down``; serve prompts with the daemon gone; ``up?`` -> the test
 restarts the daemon on the same port -> ``up``; a new prompt stores and then hits again.
@@ -39,7 +42,7 @@ def wait_for(path: Path, timeout_s: float = 120.0) -> None:
 def main(model: str, url: str, out_dir: str, mode: str) -> None:
     logging.basicConfig(level=logging.WARNING)
     os.environ.update(
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_ENABLE_V1_MULTIPROCESSING="1" if mode == "mp" else "0",
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_CPU_OMP_THREADS_BIND="nobind",
     )
@@ -73,6 +76,9 @@ def main(model: str, url: str, out_dir: str, mode: str) -> None:
             again_cached=again.num_cached_tokens,
             totals=eng.totals(),
         )
+    elif mode == "mp":
+        mp = eng.generate(shared)
+        r.update(mp=mp.tokens, mp_cached=mp.num_cached_tokens)
     else:
         hit = eng.generate(shared)
         r.update(hit=hit.tokens, hit_cached=hit.num_cached_tokens, totals_hit=eng.totals())
@@ -106,5 +112,5 @@ def main(model: str, url: str, out_dir: str, mode: str) -> None:
     (out / f"result-{mode}.json").write_text(json.dumps(r))
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the multi-process engine spawns: keep the guard
     main(*sys.argv[1:5])

@@ -1,8 +1,10 @@
-"""Daemon mode: two vLLM engines (separate processes) share one real ``kvtier serve``.
+"""Daemon mode: vLLM engines in separate processes share one real ``kvtier serve``.
 
-The engines run one after the other (two engine processes at once do not fit two
-cores), each in-process and eager (daemon_driver.py). The second engine also lives
-through the daemon being killed (SIGKILL, a real fault) and restarted on the same port.
+Three engine processes run one after the other (two at once do not fit two cores), all
+eager (daemon_driver.py): the first stores, the second (vLLM's default multi-process
+engine) and the third (in-process, so its counters can be read) hit what the first
+stored. The third also lives through the daemon being killed (SIGKILL, a real fault) and
+restarted on the same port.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ HIT_TOKENS = 4 * CHUNK  # the 300-token prompt's full chunks
 @dataclass
 class Runs:
     store: dict[str, Any]
+    mp: dict[str, Any]
     share: dict[str, Any]
     share_log: str
 
@@ -73,6 +76,12 @@ def runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         _wait(a, tmp / "result-store.json", log_a)
         assert a.wait(timeout=120) == 0, log_a.read_text()[-4000:]
 
+        log_mp = tmp / "engine-mp.log"
+        mp = _driver(tiny_model, url, tmp, "mp", log_mp)
+        procs.append(mp)
+        _wait(mp, tmp / "result-mp.json", log_mp)
+        assert mp.wait(timeout=120) == 0, log_mp.read_text()[-4000:]
+
         b = _driver(tiny_model, url, tmp, "share", log_b)
         procs.append(b)
         _wait(b, tmp / "down?", log_b)
@@ -86,6 +95,7 @@ def runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         assert b.wait(timeout=120) == 0, log_b.read_text()[-4000:]
         yield Runs(
             json.loads((tmp / "result-store.json").read_text()),
+            json.loads((tmp / "result-mp.json").read_text()),
             json.loads((tmp / "result-share.json").read_text()),
             log_b.read_text(),
         )
@@ -113,6 +123,12 @@ def test_second_engine_hits_what_the_first_stored(runs: Runs) -> None:
     assert r["hit_cached"] == HIT_TOKENS
     assert r["totals_hit"]["load_chunks"] == 4
     assert r["hit"] == runs.store["first"]
+
+
+def test_multiprocess_engine_hits_what_the_first_stored(runs: Runs) -> None:
+    # vLLM's default engine: the salts reach the scheduler side through vLLM's IPC.
+    assert runs.mp["mp_cached"] == HIT_TOKENS
+    assert runs.mp["mp"] == runs.store["first"]
 
 
 def test_daemon_killed_degrades_to_misses_and_recovers(runs: Runs) -> None:
