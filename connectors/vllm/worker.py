@@ -129,7 +129,13 @@ class WorkerSide:
             log.warning("kvtier load of %d chunks failed; vLLM recomputes them: %s", n, exc)
         lo, hi = op.skip_blocks, good * bpc
         if hi > lo:
-            mover.scatter(staging[lo:hi], op.block_ids[lo:hi])
+            try:
+                mover.scatter(staging[lo:hi], op.block_ids[lo:hi])
+            except KVTierError as exc:  # e.g. the engine refusing the ids: recompute
+                log.warning(
+                    "kvtier scatter of %d blocks failed; vLLM recomputes them: %s", hi - lo, exc
+                )
+                good, hi = 0, lo
         with self._lock:
             if good < n:
                 self._load_errors.update(op.block_ids[max(lo, hi) :])
