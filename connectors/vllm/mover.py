@@ -4,8 +4,10 @@ The connector never copies one block at a time: a save gathers every block of a 
 of chunks with one ``index_select`` per layer into a staging tensor, and the store
 then takes that tensor with one copy; a load does the reverse with one ``index_copy_``
 per layer. :class:`BlockMover` is the seam where a device-specific transfer engine
-(the CUDA one in ``kvtier.transfer``) plugs in; :class:`TorchBlockMover` is the portable
-implementation, correct on CPU and CUDA tensors alike.
+plugs in: :class:`EngineBlockMover` drives ``kvtier.transfer.TransferEngine`` (bounded
+device staging, copies pipelined across CUDA streams) and is what :func:`select_mover`
+picks for CUDA caches; :class:`TorchBlockMover` is the portable implementation, correct
+on CPU and CUDA tensors alike, and the fallback when the engine refuses a layout.
 
 Staging layout: ``[n_blocks, n_layers, page_bytes]`` uint8, block-major. One chunk of
 ``b`` blocks is therefore ``b * n_layers * page_bytes`` consecutive bytes, which is
@@ -23,6 +25,7 @@ slower but still correct.
 
 from __future__ import annotations
 
+import logging
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -30,7 +33,15 @@ from collections.abc import Sequence
 import torch
 from typing_extensions import override
 
-from kvtier.errors import SpecError
+from kvtier.errors import InputError, SpecError
+from kvtier.transfer import HostOrder, PagedKV, TransferEngine, TransferOptions
+
+log = logging.getLogger(__name__)
+
+# Device staging of the connector's engine: 2 slots of 32 MiB per direction, 128 MiB in
+# all, outside vLLM's KV budget. 64 MiB x 2 measured within 1-2% of 256 MiB x 4 on the
+# H200 (docs/benchmarks.md, "Staging size"), and connector transfers are per step.
+CONNECTOR_STAGING = TransferOptions(staging_bytes=64 << 20, slots=2)
 
 
 def page_view(t: torch.Tensor) -> torch.Tensor | None:
@@ -75,10 +86,12 @@ class BlockMover(ABC):
     Attributes:
         num_layers: layers (tensors) moved per block.
         page_bytes: bytes of one block of one layer.
+        layout: the byte order inside a page (:func:`layout_tag`), part of the rank keys.
     """
 
     num_layers: int
     page_bytes: int
+    layout: str
 
     @property
     def block_bytes(self) -> int:
@@ -116,6 +129,9 @@ class BlockMover(ABC):
     def host_buffer(self, n_blocks: int) -> torch.Tensor:
         """A host staging tensor for ``n_blocks`` blocks (pinned where that helps)."""
         return torch.empty((n_blocks, self.num_layers, self.page_bytes), dtype=torch.uint8)
+
+    def close(self) -> None:  # noqa: B027 -- optional hook; most movers hold nothing
+        """Release device resources (staging); the mover is unusable afterwards."""
 
 
 class TorchBlockMover(BlockMover):
@@ -210,3 +226,117 @@ class TorchBlockMover(BlockMover):
             else:
                 logical = rows.contiguous().view(t.dtype).reshape(len(idx), *t.shape[1:])
                 t.index_copy_(0, idx, logical)
+
+
+class EngineBlockMover(BlockMover):
+    """CUDA mover over :class:`kvtier.transfer.TransferEngine`.
+
+    Pages are described as the engine does (:class:`~kvtier.transfer.PagedKV`, block
+    index in dim 0 as vLLM 0.32 registers per-layer tensors), and moved whole through the
+    engine's bounded staging in its block-major host order, so the staging rows are
+    byte-for-byte what :class:`TorchBlockMover` produces for the same cache: both movers
+    share keys (same :func:`layout_tag`) and each reads what the other wrote.
+
+    Args:
+        layers: vLLM's per-layer KV tensors on one CUDA device, in a fixed layer order.
+        options: the engine's staging; default :data:`CONNECTOR_STAGING`.
+
+    Raises:
+        InputError: the engine refuses the cache: not on CUDA, a layout whose blocks are
+            not contiguous byte runs (head-outer), layers of different geometry, or one
+            page larger than a staging slot.
+    """
+
+    def __init__(
+        self, layers: Sequence[torch.Tensor], options: TransferOptions | None = None
+    ) -> None:
+        if not layers or layers[0].device.type != "cuda":
+            raise InputError("the transfer engine mover needs CUDA KV caches")
+        self.kv = PagedKV(layers, block_dim=0)
+        opts = options or CONNECTOR_STAGING
+        if self.kv.geometry.page_bytes > opts.slot_bytes:
+            raise InputError(
+                f"one page ({self.kv.geometry.page_bytes} bytes) does not fit a staging slot "
+                f"({opts.slot_bytes} bytes)"
+            )
+        self.device = self.kv.device
+        self.num_layers = self.kv.num_layers
+        self.page_bytes = self.kv.geometry.page_bytes
+        self.layout = layout_tag(layers[0])
+        self.engine = TransferEngine(self.device, opts)
+        # The save thread's copies wait for the engine thread's mark() on this stream;
+        # the engine's own streams then wait for it (TransferEngine orders after the
+        # caller's current stream).
+        self._after = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+
+    @override
+    def mark(self) -> object | None:
+        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ev.record()
+        return ev
+
+    @override
+    def host_buffer(self, n_blocks: int) -> torch.Tensor:
+        return torch.empty(
+            (n_blocks, self.num_layers, self.page_bytes), dtype=torch.uint8, pin_memory=True
+        )
+
+    @override
+    def gather(self, block_ids: Sequence[int], after: object | None = None) -> torch.Tensor:
+        host = self.host_buffer(len(block_ids))
+        if not block_ids:
+            return host
+        if isinstance(after, torch.cuda.Event):
+            with torch.cuda.stream(self._after):
+                self._after.wait_event(after)
+                h = self.engine.store(self.kv, block_ids, host.view(-1), order=HostOrder.BLOCK)
+        else:
+            h = self.engine.store(self.kv, block_ids, host.view(-1), order=HostOrder.BLOCK)
+        h.wait()
+        return host
+
+    @override
+    def scatter(self, staging: torch.Tensor, block_ids: Sequence[int]) -> None:
+        if not block_ids:
+            return
+        src = staging.reshape(-1) if staging.is_contiguous() else staging.contiguous().view(-1)
+        # Blocking wait: the caller may reuse the host rows as soon as this returns, and
+        # every later kernel, on any stream, then sees the pages.
+        self.engine.load(src, self.kv, block_ids, order=HostOrder.BLOCK).wait()
+
+    @override
+    def close(self) -> None:
+        self.engine.close()
+
+
+_fallback_logged = False
+
+
+def select_mover(
+    layers: Sequence[torch.Tensor], options: TransferOptions | None = None
+) -> BlockMover:
+    """The mover for a worker's KV tensors: the transfer engine on CUDA, else torch.
+
+    When the engine refuses a CUDA cache (see :class:`EngineBlockMover`), the portable
+    :class:`TorchBlockMover` moves it instead, correct but slower; that is logged once
+    per process.
+
+    Raises:
+        SpecError: layers of unequal page size or on different devices.
+    """
+    torch_mover = TorchBlockMover(layers)  # validates the layers for both paths
+    if not torch_mover.on_cuda:
+        return torch_mover
+    try:
+        return EngineBlockMover(layers, options)
+    except InputError as exc:
+        global _fallback_logged
+        if not _fallback_logged:
+            _fallback_logged = True
+            log.warning(
+                "kvtier: the CUDA transfer engine refuses this KV cache (%s); moving blocks "
+                "with the portable torch mover (layout %s), which is correct but slower",
+                exc,
+                torch_mover.layout,
+            )
+        return torch_mover

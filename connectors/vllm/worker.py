@@ -39,7 +39,7 @@ from .metadata import (
     LoadOp,
     SaveOp,
 )
-from .mover import BlockMover, TorchBlockMover
+from .mover import BlockMover, select_mover
 from .remote import DaemonSettings, RemoteStore
 from .settings import rank_keys, rank_salt
 
@@ -99,22 +99,24 @@ class WorkerSide:
 
         Args:
             kv_caches: layer name -> KV tensor, as vLLM registers them.
-            mover: a device-specific mover; default :class:`TorchBlockMover`.
+            mover: a mover to use instead of :func:`~.mover.select_mover`'s (the CUDA
+                transfer engine for CUDA caches, the torch mover on CPU or as fallback).
         """
-        torch_mover = TorchBlockMover(list(kv_caches.values()))
-        self.mover = mover or torch_mover
+        self.mover = mover or select_mover(list(kv_caches.values()))
         value_bytes = self.mover.block_bytes * self.blocks_per_chunk
-        self._salt = rank_salt(self.spec, self.pp_rank, torch_mover.layout)
+        self._salt = rank_salt(self.spec, self.pp_rank, self.mover.layout)
         if self.daemon is not None:
             self.store = RemoteStore(self.daemon, value_bytes)
             self._announce = frozenset({self._salt})
         else:
             self.store = build_store(self.cfg, spec=self.spec, chunk_bytes=value_bytes).store
         log.info(
-            "kvtier worker: %d layers, %d B per block-layer (%s), chunk %d tokens = %d B; tiers %s",
+            "kvtier worker: %s, %d layers, %d B per block-layer (%s), chunk %d tokens = %d B; "
+            "tiers %s",
+            type(self.mover).__name__,
             self.mover.num_layers,
             self.mover.page_bytes,
-            torch_mover.layout,
+            self.mover.layout,
             self.chunk_tokens,
             value_bytes,
             [f"{t.name}:{t.capacity_bytes}B" for t in self.store.tiers],
@@ -144,7 +146,13 @@ class WorkerSide:
             log.warning("kvtier load of %d chunks failed; vLLM recomputes them: %s", n, exc)
         lo, hi = op.skip_blocks, good * bpc
         if hi > lo:
-            mover.scatter(staging[lo:hi], op.block_ids[lo:hi])
+            try:
+                mover.scatter(staging[lo:hi], op.block_ids[lo:hi])
+            except KVTierError as exc:  # e.g. the engine refusing the ids: recompute
+                log.warning(
+                    "kvtier scatter of %d blocks failed; vLLM recomputes them: %s", hi - lo, exc
+                )
+                good, hi = 0, lo
         with self._lock:
             if good < n:
                 self._load_errors.update(op.block_ids[max(lo, hi) :])
@@ -254,5 +262,7 @@ class WorkerSide:
             return
         self._closed = True
         self._saver.shutdown(wait=True)
+        if self.mover is not None:
+            self.mover.close()
         if self.store is not None:
             self.store.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +16,19 @@ if TYPE_CHECKING:
     from kvtier.transfer.layout import PagedKV
 
 _MiB = 1 << 20
+
+
+class HostOrder(enum.Enum):
+    """Byte order of the host side of a transfer of ``n`` blocks of ``L`` layers.
+
+    ``LAYER``: ``[layer][run][block][run_bytes]``; a layer group is one contiguous host
+    range (what layer-wise loading wants). ``BLOCK``: ``[block][layer][run][run_bytes]``;
+    one block of every layer is one contiguous row, so consecutive blocks (a store chunk)
+    are one contiguous value (what the vLLM connector's staging rows are).
+    """
+
+    LAYER = "layer"
+    BLOCK = "block"
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,15 +95,30 @@ class BlockMover(ABC):
     """Moves whole blocks of every layer between a paged KV cache and host bytes.
 
     Host bytes are ``[layer][run][block][run_bytes]`` for the blocks in the order given
-    (see :mod:`kvtier.transfer.layout`); ``PagedKV.nbytes(n)`` is their size.
+    (see :mod:`kvtier.transfer.layout`), or block-major with ``order=HostOrder.BLOCK``;
+    ``PagedKV.nbytes(n)`` is their size either way.
     """
 
     @abstractmethod
-    def store(self, kv: PagedKV, block_ids: Sequence[int], dst: torch.Tensor) -> TransferHandle:
+    def store(
+        self,
+        kv: PagedKV,
+        block_ids: Sequence[int],
+        dst: torch.Tensor,
+        *,
+        order: HostOrder = HostOrder.LAYER,
+    ) -> TransferHandle:
         """Enqueue a copy of ``block_ids`` of every layer into host ``dst`` (uint8)."""
 
     @abstractmethod
-    def load(self, src: torch.Tensor, kv: PagedKV, block_ids: Sequence[int]) -> TransferHandle:
+    def load(
+        self,
+        src: torch.Tensor,
+        kv: PagedKV,
+        block_ids: Sequence[int],
+        *,
+        order: HostOrder = HostOrder.LAYER,
+    ) -> TransferHandle:
         """Enqueue a copy of host ``src`` (uint8) into ``block_ids`` of every layer."""
 
     def gather(

@@ -35,7 +35,7 @@ import torch
 from typing_extensions import override
 
 from kvtier.errors import ClosedError, InputError
-from kvtier.transfer.base import BlockMover, TransferHandle, TransferOptions
+from kvtier.transfer.base import BlockMover, HostOrder, TransferHandle, TransferOptions
 from kvtier.transfer.layout import PagedKV
 from kvtier.transfer.sync import CpuSync, Sync
 
@@ -209,7 +209,9 @@ class TransferEngine(BlockMover):
                 raise InputError("a load names the same block twice")
         return ids
 
-    def _host(self, kv: PagedKV, buf: torch.Tensor, n: int) -> torch.Tensor:
+    def _host(
+        self, kv: PagedKV, buf: torch.Tensor, n: int, order: HostOrder = HostOrder.LAYER
+    ) -> torch.Tensor:
         want = kv.nbytes(n)
         if buf.device.type != "cpu" or buf.dtype != torch.uint8 or not buf.is_contiguous():
             raise InputError("the host buffer must be a contiguous uint8 CPU tensor")
@@ -218,7 +220,10 @@ class TransferEngine(BlockMover):
         if buf.data_ptr() % kv.word_bytes:
             raise InputError(f"the host buffer must be {kv.word_bytes}-byte aligned")
         g = kv.geometry
-        return buf.view(kv.word_dtype).view(kv.num_layers, g.runs, n, g.run_bytes // kv.word_bytes)
+        words = buf.view(kv.word_dtype)
+        if order is HostOrder.BLOCK:
+            return words.view(n, kv.num_layers, g.runs, g.run_bytes // kv.word_bytes)
+        return words.view(kv.num_layers, g.runs, n, g.run_bytes // kv.word_bytes)
 
     def _slot(self, side: int, kv: PagedKV, u: Unit) -> tuple[int, torch.Tensor]:
         s = self._next[side]
@@ -230,14 +235,21 @@ class TransferEngine(BlockMover):
 
     @override
     def store(
-        self, kv: PagedKV, block_ids: Sequence[int] | torch.Tensor, dst: torch.Tensor
+        self,
+        kv: PagedKV,
+        block_ids: Sequence[int] | torch.Tensor,
+        dst: torch.Tensor,
+        *,
+        order: HostOrder = HostOrder.LAYER,
     ) -> TransferHandle:
         self._check_kv(kv)
         ids_cpu = self._ids(kv, block_ids, unique=False)
         n = ids_cpu.numel()
-        host = self._host(kv, dst, n)
+        host = self._host(kv, dst, n, order)
         if n == 0:
             return _Handle(self._sync, None, None, ())
+        if order is HostOrder.BLOCK:
+            return self._store_rows(kv, ids_cpu, host, dst)
         s = self._sync
         units = plan(
             kv.num_layers,
@@ -282,14 +294,21 @@ class TransferEngine(BlockMover):
 
     @override
     def load(
-        self, src: torch.Tensor, kv: PagedKV, block_ids: Sequence[int] | torch.Tensor
+        self,
+        src: torch.Tensor,
+        kv: PagedKV,
+        block_ids: Sequence[int] | torch.Tensor,
+        *,
+        order: HostOrder = HostOrder.LAYER,
     ) -> TransferHandle:
         self._check_kv(kv)
         ids_cpu = self._ids(kv, block_ids, unique=True)
         n = ids_cpu.numel()
-        host = self._host(kv, src, n)
+        host = self._host(kv, src, n, order)
         if n == 0:
             return _Handle(self._sync, None, [None] * kv.num_layers, ())
+        if order is HostOrder.BLOCK:
+            return self._load_rows(src, kv, ids_cpu, host)
         s = self._sync
         units = plan(
             kv.num_layers,
@@ -331,6 +350,95 @@ class TransferEngine(BlockMover):
                 if u.j1 == n:
                     for layer in range(u.l0, u.l1):
                         layer_events[layer] = ev
+            done = self._free[_LOAD][slot]
+        return _Handle(s, done, layer_events, (ids, src))
+
+    # -- block-major host order ------------------------------------------------------------
+    #
+    # The same pipeline with the roles of layers and blocks swapped: ``plan`` over
+    # (blocks, layers) groups whole blocks (every layer) while they fit a slot, else cuts
+    # one block into layer ranges, so each unit's host range ``host[b0:b1, l0:l1]`` is
+    # contiguous. The slot holds the unit block-major too; the per-layer gather writes a
+    # strided view of it (rows of ``run_bytes``), so the d2h copy is still one copy.
+
+    def _row_units(self, kv: PagedKV, n: int, *, at_end: bool) -> list[Unit]:
+        return plan(
+            n,
+            kv.num_layers,
+            kv.geometry.page_bytes,
+            self.options.slot_bytes,
+            ramp_bytes=self.options.ramp_bytes,
+            ramp_at_end=at_end,
+        )
+
+    def _row_slot(self, side: int, kv: PagedKV, b: int, nl: int) -> tuple[int, torch.Tensor]:
+        s = self._next[side]
+        self._next[side] = (s + 1) % self.options.slots
+        g = kv.geometry
+        n_bytes = b * nl * g.page_bytes
+        shape = (b, nl, g.runs, g.run_bytes // kv.word_bytes)
+        return s, self._staging[side][s][:n_bytes].view(kv.word_dtype).view(shape)
+
+    def _store_rows(
+        self, kv: PagedKV, ids_cpu: torch.Tensor, host: torch.Tensor, dst: torch.Tensor
+    ) -> TransferHandle:
+        s = self._sync
+        with self._lock:
+            s.after_current("gather")
+            with s.on("gather"):
+                ids = ids_cpu.to(self.device, non_blocking=True)
+            if self._direct:
+                for layer in range(kv.num_layers):
+                    for r in range(kv.geometry.runs):
+                        torch.index_select(kv.layers[layer][r], 0, ids, out=host[:, layer, r])
+                return _Handle(s, None, None, ())
+            slot = 0
+            for u in self._row_units(kv, ids_cpu.numel(), at_end=False):
+                b0, b1, l0, l1 = u.l0, u.l1, u.j0, u.j1  # plan's "layers" are blocks here
+                slot, stage = self._row_slot(_STORE, kv, b1 - b0, l1 - l0)
+                s.wait("gather", self._free[_STORE][slot])
+                with s.on("gather"):
+                    for layer in range(l0, l1):
+                        out = stage[:, layer - l0].transpose(0, 1)  # (runs, blocks, words)
+                        torch.index_select(kv.layers[layer], 1, ids[b0:b1], out=out)
+                s.wait("d2h", s.record("gather"))
+                with s.on("d2h"):
+                    host[b0:b1, l0:l1].copy_(stage, non_blocking=True)
+                self._free[_STORE][slot] = s.record("d2h")
+            done = self._free[_STORE][slot]
+        return _Handle(s, done, None, (ids, dst))
+
+    def _load_rows(
+        self, src: torch.Tensor, kv: PagedKV, ids_cpu: torch.Tensor, host: torch.Tensor
+    ) -> TransferHandle:
+        s = self._sync
+        layer_events: list[Any] = [None] * kv.num_layers
+        with self._lock:
+            s.after_current("scatter")
+            with s.on("scatter"):
+                ids = ids_cpu.to(self.device, non_blocking=True)
+            if self._direct:
+                for layer in range(kv.num_layers):
+                    for r in range(kv.geometry.runs):
+                        kv.layers[layer][r].index_copy_(0, ids, host[:, layer, r])
+                return _Handle(s, None, layer_events, ())
+            slot = 0
+            for u in self._row_units(kv, ids_cpu.numel(), at_end=True):
+                b0, b1, l0, l1 = u.l0, u.l1, u.j0, u.j1
+                slot, stage = self._row_slot(_LOAD, kv, b1 - b0, l1 - l0)
+                s.wait("h2d", self._free[_LOAD][slot])
+                with s.on("h2d"):
+                    stage.copy_(host[b0:b1, l0:l1], non_blocking=True)
+                s.wait("scatter", s.record("h2d"))
+                with s.on("scatter"):
+                    for layer in range(l0, l1):
+                        rows = stage[:, layer - l0].transpose(0, 1)
+                        kv.layers[layer].index_copy_(1, ids[b0:b1], rows)
+                ev = s.record("scatter")
+                self._free[_LOAD][slot] = ev
+                # Units run in block order: a layer is whole after the last unit naming it.
+                for layer in range(l0, l1):
+                    layer_events[layer] = ev
             done = self._free[_LOAD][slot]
         return _Handle(s, done, layer_events, (ids, src))
 

@@ -1,4 +1,4 @@
-"""The connector's parts that need no engine: block mover, config, keys, lookup."""
+"""The connector's parts that need no engine: config, keys, lookup."""
 
 from __future__ import annotations
 
@@ -7,11 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-torch = pytest.importorskip("torch")
-
-from kvtier.connectors.vllm.mover import TorchBlockMover, layout_tag, page_view  # noqa: E402
-from kvtier.connectors.vllm.scheduler import KeyMirror, matched_chunks  # noqa: E402
-from kvtier.connectors.vllm.settings import (  # noqa: E402
+from kvtier.connectors.vllm.scheduler import KeyMirror, matched_chunks
+from kvtier.connectors.vllm.settings import (
     KeyScheme,
     check_chunk_tokens,
     config_from_extra,
@@ -19,75 +16,8 @@ from kvtier.connectors.vllm.settings import (  # noqa: E402
     rank_salt,
     request_extra,
 )
-from kvtier.errors import ConfigError, SpecError  # noqa: E402
-from kvtier.spec import KVSpec  # noqa: E402
-
-NB, H, N, HS = 9, 2, 32, 64  # blocks, kv heads, block size, head size
-
-
-def lbhnc(layers: int, device: str = "cpu") -> list[torch.Tensor]:
-    """CPU backend: one storage, per layer [blocks, heads, block_size, 2*head_size]."""
-    whole = torch.randn(layers, NB, H, N, 2 * HS).to(torch.bfloat16).to(device)
-    return [whole[i] for i in range(layers)]
-
-
-def lbnhc(layers: int, device: str = "cpu") -> list[torch.Tensor]:
-    """CUDA FlashAttention default: physical [blocks, block_size, heads, C], logical BHNC."""
-    whole = torch.randn(layers, NB, N, H, 2 * HS).to(torch.bfloat16).to(device)
-    return [whole[i].transpose(1, 2) for i in range(layers)]
-
-
-def lhbnc(layers: int, device: str = "cpu") -> list[torch.Tensor]:
-    """A layout that splits a block across heads: the mover's logical fallback."""
-    whole = torch.randn(layers, H, NB, N, 2 * HS).to(torch.bfloat16).to(device)
-    return [whole[i].transpose(0, 1) for i in range(layers)]
-
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ],
-    ),
-]
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("make", [lbhnc, lbnhc, lhbnc])
-def test_gather_then_scatter_moves_whole_blocks(make, device) -> None:
-    src = make(3, device)
-    dst = [torch.zeros_like(t) for t in src]
-    mover_src, mover_dst = TorchBlockMover(src), TorchBlockMover(dst)
-    blocks_out, blocks_in = [5, 2, 7], [1, 8, 3]
-
-    staging = mover_src.gather(blocks_out, mover_src.mark())
-    assert staging.device.type == "cpu"
-    mover_dst.scatter(staging, blocks_in)
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-    assert staging.shape == (3, 3, H * N * 2 * HS * 2)
-    for s, d in zip(src, dst, strict=True):
-        for b_out, b_in in zip(blocks_out, blocks_in, strict=True):
-            assert torch.equal(d[b_in], s[b_out])
-        untouched = [b for b in range(NB) if b not in blocks_in]
-        assert not d[untouched].any()
-
-
-def test_page_view_only_for_block_compact_layouts() -> None:
-    assert page_view(lbhnc(1)[0]) is not None
-    assert page_view(lbnhc(1)[0]) is not None
-    assert page_view(lhbnc(1)[0]) is None
-    tags = {layout_tag(lbhnc(1)[0]), layout_tag(lbnhc(1)[0]), layout_tag(lhbnc(1)[0])}
-    assert len(tags) == 3  # bytes of different layouts never share a key
-
-
-def test_mover_refuses_unequal_layers() -> None:
-    with pytest.raises(SpecError):
-        TorchBlockMover([torch.zeros(4, 2, 32, 128), torch.zeros(4, 1, 32, 128)])
+from kvtier.errors import ConfigError, SpecError
+from kvtier.spec import KVSpec
 
 
 def test_extra_config_layers_file_nested_and_dotted(tmp_path) -> None:

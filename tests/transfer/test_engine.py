@@ -15,6 +15,7 @@ from kvtier.config import Switch  # noqa: E402
 from kvtier.errors import ClosedError, InputError  # noqa: E402
 from kvtier.tiers.memory import SharedArena  # noqa: E402
 from kvtier.transfer import (  # noqa: E402
+    HostOrder,
     Layout,
     PagedKV,
     TransferEngine,
@@ -175,6 +176,60 @@ def test_round_trip_every_byte(layout, dtype, device, options):
     assert _host_ref(layers, ids, bd) == src.numpy().tobytes()
     others = [b for b in range(BLOCKS) if b not in set(ids)]
     poison_bytes = _host_ref(layers, others, bd)
+    assert poison_bytes == bytes([POISON]) * len(poison_bytes)
+
+
+@pytest.mark.parametrize(("device", "options"), ENGINES)
+def _rows_ref(layers, ids, block_dim: int) -> bytes:
+    """Host bytes in block-major order: [block][layer][run][run_bytes]."""
+    return b"".join(_page_ref(t, b, block_dim) for b in ids for t in layers)
+
+
+_CUDA_MARKS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason())),
+]
+# Block-major adds slots smaller than one block of every layer (3 x 4 KiB for bf16), so
+# a block is cut into layer ranges.
+ROW_ENGINES = [
+    *ENGINES,
+    pytest.param(
+        "cpu", TransferOptions(staging_bytes=2 * 8192, slots=2, cpu_direct=False), id="cpu-rows"
+    ),
+    pytest.param(
+        "cuda", TransferOptions(staging_bytes=2 * 8192, slots=2), id="cuda-rows", marks=_CUDA_MARKS
+    ),
+]
+
+
+@pytest.mark.parametrize(("device", "options"), ROW_ENGINES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, _dtypes()[-1]], ids=str)
+@pytest.mark.parametrize("layout", list(Layout), ids=lambda x: x.value)
+def test_block_major_round_trip_every_byte(layout, dtype, device, options):
+    layers = _make(layout, dtype, device)
+    _fill_random(layers, 11)
+    kv = PagedKV(layers)
+    engine = TransferEngine(device, options)
+    ids = torch.randperm(BLOCKS, generator=torch.Generator().manual_seed(12))[:19].tolist()
+    bd = _block_dim(layout)
+
+    host = torch.full((kv.nbytes(len(ids)),), POISON, dtype=torch.uint8)
+    engine.store(kv, ids, host, order=HostOrder.BLOCK).wait()
+    assert host.numpy().tobytes() == _rows_ref(layers, ids, bd)
+
+    src = torch.randint(
+        0, 256, (host.numel(),), dtype=torch.uint8, generator=torch.Generator().manual_seed(13)
+    )
+    _fill_poison(layers)
+    h = engine.load(src, kv, ids, order=HostOrder.BLOCK)
+    for layer in range(LAYERS):
+        h.wait_for_layer(layer)
+    h.wait()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert _rows_ref(layers, ids, bd) == src.numpy().tobytes()
+    others = [b for b in range(BLOCKS) if b not in set(ids)]
+    poison_bytes = _rows_ref(layers, others, bd)
     assert poison_bytes == bytes([POISON]) * len(poison_bytes)
 
 
