@@ -14,6 +14,7 @@ import mmap
 import os
 import secrets
 import shutil
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,42 @@ log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _counter = itertools.count()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
+def sweep_stale_arenas(base: Path = SHM_DIR) -> int:
+    """Remove arenas left in ``base`` by kvtier processes that died without closing them.
+
+    A SIGKILLed process cannot unlink its shared-memory file, and tmpfs keeps it (and its
+    RAM) until someone does. Arena names carry the creating pid, so a file whose process
+    is gone is garbage. Returns how many files were removed.
+    """
+    removed = 0
+    for f in base.glob("kvtier-*-*"):
+        parts = f.name.split("-")
+        if len(parts) < 3 or not parts[1].isdigit() or _pid_alive(int(parts[1])):
+            continue
+        try:
+            f.unlink()
+            removed += 1
+        except OSError:  # another process swept it first, or not ours to remove
+            continue
+    if removed:
+        log.info("removed %d shared-memory arena(s) left by dead processes in %s", removed, base)
+    return removed
+
+
+def _unlink(path: Path) -> None:
+    path.unlink(missing_ok=True)
 
 
 def _cuda_driver_present() -> bool:
@@ -61,6 +98,7 @@ class SharedArena:
         prefault: bool = True,
     ) -> None:
         base = SHM_DIR if SHM_DIR.is_dir() else Path("/tmp")
+        sweep_stale_arenas(base)
         safe = "".join(c if c.isalnum() else "-" for c in label)
         self.path = base / f"kvtier-{os.getpid()}-{next(_counter)}-{safe}-{secrets.token_hex(3)}"
         self.size_bytes = size_bytes
@@ -85,6 +123,9 @@ class SharedArena:
             raise TierIOError(
                 f"cannot create a {size_bytes}-byte arena at {self.path}: {exc}"
             ) from exc
+        # A process that exits without close() still removes its file (at interpreter
+        # exit); only a killed one leaves it, for the next arena's sweep.
+        self._finalizer = weakref.finalize(self, _unlink, self.path)
         self.array = np.frombuffer(self._mm, dtype=np.uint8)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
         if numa_node is not None:
@@ -133,4 +174,4 @@ class SharedArena:
         except BufferError:  # a view still exported; the mapping dies with the process
             log.debug("arena %s still has exported views at close", self.path)
         self._mm = None  # type: ignore[assignment]
-        self.path.unlink(missing_ok=True)
+        self._finalizer()  # unlinks the file, once

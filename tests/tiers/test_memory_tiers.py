@@ -107,3 +107,26 @@ def test_arena_larger_than_shared_memory_is_refused_not_a_sigbus() -> None:
     too_big = shutil.disk_usage(SHM_DIR).free + (1 << 30)
     with pytest.raises(TierIOError, match="free"):
         HostTier("huge", too_big, SLOT, 1 << 20, Options(pin=Switch.OFF))
+
+
+def test_process_exit_without_close_removes_its_arena() -> None:
+    code = (
+        "from kvtier.tiers.host import HostTier, Options; from kvtier.config import Switch;"
+        "t = HostTier('h', 1 << 20, 4096, 1 << 20, Options(pin=Switch.OFF)); print(t.shm_path)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert not Path(out.stdout.strip()).exists()
+
+
+def test_arenas_of_killed_processes_are_swept(tmp_path: Path) -> None:
+    from kvtier.tiers.memory import sweep_stale_arenas
+
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead = int(proc.stdout)  # this pid has exited
+    stale = tmp_path / f"kvtier-{dead}-0-host-abc123"
+    stale.write_bytes(b"x")
+    mine = tmp_path / f"kvtier-{__import__('os').getpid()}-0-host-def456"
+    mine.write_bytes(b"y")
+    assert sweep_stale_arenas(tmp_path) == 1
+    assert not stale.exists() and mine.exists()
