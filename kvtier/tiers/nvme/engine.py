@@ -122,6 +122,9 @@ class IOEngine(ABC):
         self.threads = max(1, threads)
         self.paths: list[Path] = []
         self.direct: list[bool] = []
+        # One descriptor per open file, for fstat and fdatasync (and for the I/O itself
+        # in the posix engine).
+        self._fds: list[int] = []
 
     @abstractmethod
     def open(self, path: Path, *, direct: bool) -> int:
@@ -132,24 +135,29 @@ class IOEngine(ABC):
         """
 
     @abstractmethod
+    def _run(self, reqs: Sequence[IORequest], writing: bool) -> None:
+        """Run every request as a write (``writing``) or a read; blocks until all are done."""
+
     def write(self, reqs: Sequence[IORequest]) -> None:
         """Run every request as a write; blocks until all are done.
 
         Raises:
             OSError: the first failure (the others still ran to completion).
         """
+        self._run(reqs, True)
 
-    @abstractmethod
     def read(self, reqs: Sequence[IORequest]) -> None:
         """Run every request as a read; a short read raises ``OSError(EIO)``."""
+        self._run(reqs, False)
 
-    @abstractmethod
     def sync(self) -> None:
         """``fdatasync`` every file (data and the device's write cache)."""
+        for fd in self._fds:
+            os.fdatasync(fd)
 
-    @abstractmethod
     def file_status(self, index: int) -> os.stat_result:
         """``fstat`` of an open file (the tier checks for deletion and truncation)."""
+        return os.fstat(self._fds[index])
 
     @abstractmethod
     def close(self) -> None:
@@ -163,7 +171,6 @@ class PosixEngine(IOEngine):
 
     def __init__(self, threads: int = 4) -> None:
         super().__init__(threads)
-        self._fds: list[int] = []
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="kvtier-nvme")
         self._closed = False
 
@@ -247,19 +254,6 @@ class PosixEngine(IOEngine):
                 first = exc
         if first is not None:
             raise first
-
-    def write(self, reqs: Sequence[IORequest]) -> None:
-        self._run(reqs, True)
-
-    def read(self, reqs: Sequence[IORequest]) -> None:
-        self._run(reqs, False)
-
-    def sync(self) -> None:
-        for fd in self._fds:
-            os.fdatasync(fd)
-
-    def file_status(self, index: int) -> os.stat_result:
-        return os.fstat(self._fds[index])
 
     def close(self) -> None:
         if self._closed:
@@ -375,7 +369,6 @@ class KvikioEngine(IOEngine):
             except (RuntimeError, ValueError, KeyError, TypeError) as exc:
                 log.info("nvme: kvikio keeps its own %s (%s)", setting, exc)
         self._files: list[Any] = []
-        self._fds: list[int] = []
 
     @property
     def compat_mode(self) -> str:
@@ -424,19 +417,6 @@ class KvikioEngine(IOEngine):
             for req, buf in zip(reqs, bufs, strict=False):
                 if req.release is not None:
                     req.release(buf)
-
-    def write(self, reqs: Sequence[IORequest]) -> None:
-        self._run(reqs, True)
-
-    def read(self, reqs: Sequence[IORequest]) -> None:
-        self._run(reqs, False)
-
-    def sync(self) -> None:
-        for fd in self._fds:
-            os.fdatasync(fd)
-
-    def file_status(self, index: int) -> os.stat_result:
-        return os.fstat(self._fds[index])
 
     def close(self) -> None:
         for f in self._files:
