@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kvtier.config import KVTierConfig, ModelConfig, TierSection
 from kvtier.keys import ChunkHasher, Namespace
-from kvtier.spec import KVSpec, preset
+from kvtier.spec import PRESETS, DType, KVSpec, preset
 from kvtier.store.policy import PlacementPolicy, eviction_factory, placement_factory
 from kvtier.store.store import TieredStore
 from kvtier.tiers.base import Tier
@@ -33,16 +33,10 @@ def with_nvme_under(cfg: KVTierConfig, directory: str | Path, capacity_bytes: in
 
 def spec_from_model(model: ModelConfig) -> KVSpec:
     """The KV spec a ``[model]`` section describes (a preset name or a config.json path)."""
-    from kvtier.spec import PRESETS
-
     if model.name.lower() in PRESETS:
         base = preset(model.name)
-        from dataclasses import replace
-
-        from kvtier.spec import DType
-
         dtype = DType.parse(model.dtype) if model.dtype else base.dtype
-        return replace(base, dtype=dtype, tp_rank=model.tp_rank, tp_size=model.tp_size)
+        return dataclasses.replace(base, dtype=dtype, tp_rank=model.tp_rank, tp_size=model.tp_size)
     return KVSpec.from_hf_config(
         model.name, dtype=model.dtype or None, tp_rank=model.tp_rank, tp_size=model.tp_size
     )
