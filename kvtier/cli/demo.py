@@ -23,8 +23,9 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvtier.config import KVTierConfig
-from kvtier.factory import build_store, with_nvme_under
+from kvtier.factory import build_store
 from kvtier.keys import ChunkKey
+from kvtier.service.server import with_nvme_under
 from kvtier.units import GiB, format_size
 
 TRACE_BLOCK_TOKENS = 512
