@@ -174,13 +174,7 @@ def load_config(
     """
     raw = copy.deepcopy(base) if base is not None else default_toml()
     if path is not None:
-        try:
-            file_raw = tomllib.loads(Path(path).read_text())
-        except OSError as exc:
-            raise ConfigError("config_file", str(path), f"a readable TOML file ({exc})") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError("config_file", str(path), f"valid TOML ({exc})") from exc
-        raw = merge(raw, file_raw)
+        raw = merge(raw, read_toml(path))
     environ = os.environ if env is None else env
     if DATA_DIR_ENV in environ:
         set_dotted(raw, "service.data_dir", environ[DATA_DIR_ENV], source=DATA_DIR_ENV)
@@ -194,6 +188,20 @@ def load_config(
             raise ConfigError("--set", item, "key.path=value")
         set_dotted(raw, key.strip(), value.strip(), source=f"--set {key.strip()}")
     return parse_config(raw)
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A kvtier TOML file, parsed (the one reader of config files).
+
+    Raises:
+        ConfigError: the file cannot be read, or is not valid TOML (key ``config_file``).
+    """
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError("config_file", str(path), f"a readable TOML file ({exc})") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config_file", str(path), f"valid TOML ({exc})") from exc
 
 
 def merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
