@@ -63,6 +63,22 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def route_logs(level: str) -> None:
+    """Let kvtier's log lines reach the engine's output at ``level`` (config ``log_level``).
+
+    vLLM configures only its own ``vllm`` logger; without a handler, kvtier's reasons
+    (a consumer's recompute, a daemon that stopped answering) below WARNING would be lost.
+    Nothing changes where the process already configured logging (a root handler).
+    """
+    kv = logging.getLogger("kvtier")
+    if kv.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
+    kv.addHandler(handler)
+    kv.setLevel(level.upper())
+
+
 def spec_from_vllm(vllm_config: VllmConfig, tp_rank: int = 0) -> KVSpec:
     """This engine's KV geometry as a kvtier spec (whole model, one TP rank).
 
@@ -110,6 +126,7 @@ class KVTierConnector(KVConnectorBase_V1):
         ktc = self._kv_transfer_config
         extra = ktc.kv_connector_extra_config or {}
         self.cfg = config_from_extra(extra)
+        route_logs(self.cfg.log_level)
         self.daemon = daemon_from_extra(extra)
         self.kv_role = Role.parse(ktc.kv_role)
         prefill_wait_s = prefill_wait_from_extra(extra)

@@ -187,7 +187,16 @@ class PrefillWaits:
             )
             return False
         budget = self.max_wait_s if handoff.wait_s is None else min(handoff.wait_s, self.max_wait_s)
-        since = self._since.setdefault(req_id, now)
+        since = self._since.get(req_id)
+        if since is None:
+            since = self._since[req_id] = now
+            log.info(
+                "kvtier: request %s waits up to %.1f s for the prefill's chunks (%d of %d there)",
+                req_id,
+                budget,
+                n,
+                expect,
+            )
         if now - since < budget:
             return True
         del self._since[req_id]

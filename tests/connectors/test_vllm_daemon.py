@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.connectors.conftest import CHUNK
@@ -36,6 +37,7 @@ HIT_TOKENS = 4 * CHUNK  # the 300-token prompt's full chunks
 class Runs:
     store: dict[str, Any]
     mp: dict[str, Any]
+    mp_store: dict[str, dict[str, int]]  # the daemon's store counters before/after "mp"
     share: dict[str, Any]
     share_log: str
 
@@ -77,10 +79,12 @@ def runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         assert a.wait(timeout=120) == 0, log_a.read_text()[-4000:]
 
         log_mp = tmp / "engine-mp.log"
+        before = httpx.get(url + "/v1/stats", timeout=5).json()["store"]
         mp = _driver(tiny_model, url, tmp, "mp", log_mp)
         procs.append(mp)
         _wait(mp, tmp / "result-mp.json", log_mp)
         assert mp.wait(timeout=120) == 0, log_mp.read_text()[-4000:]
+        after = httpx.get(url + "/v1/stats", timeout=5).json()["store"]
 
         b = _driver(tiny_model, url, tmp, "share", log_b)
         procs.append(b)
@@ -96,6 +100,7 @@ def runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         yield Runs(
             json.loads((tmp / "result-store.json").read_text()),
             json.loads((tmp / "result-mp.json").read_text()),
+            {"before": before, "after": after},
             json.loads((tmp / "result-share.json").read_text()),
             log_b.read_text(),
         )
@@ -129,6 +134,16 @@ def test_multiprocess_engine_hits_what_the_first_stored(runs: Runs) -> None:
     # vLLM's default engine: the salts reach the scheduler side through vLLM's IPC.
     assert runs.mp["mp_cached"] == HIT_TOKENS
     assert runs.mp["mp"] == runs.store["first"]
+
+
+def test_prefix_cache_repeat_does_not_re_put_what_the_daemon_holds(runs: Runs) -> None:
+    # The repeat is served from vLLM's own prefix cache (288 tokens: 9 blocks), beyond
+    # kvtier's 4 chunks. It used to save those 4 chunks again (put_present grew by 4).
+    assert runs.mp["repeat_cached"] >= HIT_TOKENS
+    assert runs.mp["repeat"] == runs.store["first"]
+    before, after = runs.mp_store["before"], runs.mp_store["after"]
+    assert after["put_present"] == before["put_present"]
+    assert after["puts"] == before["puts"]
 
 
 def test_daemon_killed_degrades_to_misses_and_recovers(runs: Runs) -> None:
