@@ -1,6 +1,7 @@
 """TTFT of a kvtier hit against recompute, on one real vLLM CPU engine, same prompts.
 
     kvtier bench vllm_e2e --json out.json [--tokens 4096] [--repeat 5] [--layers 4] ...
+    kvtier bench vllm_e2e --disagg ...   # prefill and decode engines (bench/vllm_disagg.py)
 
 One engine with the kvtier connector (host tier). For each repeat, a fresh random
 prompt is sent twice with a fresh cache salt: the first run misses (vLLM computes the
@@ -67,12 +68,24 @@ def _args(argv: list[str]) -> argparse.Namespace:
         "service.max_value_bytes >= the chunk) instead of an embedded host tier",
     )
     p.add_argument("--token", default=None, help="bearer token for --daemon")
+    p.add_argument(
+        "--disagg",
+        action="store_true",
+        help="disaggregated mode (bench/vllm_disagg.py): a prefill engine (kv_producer) and "
+        "this decode engine (kv_consumer) share a temporary kvtier daemon; the decode "
+        "engine's TTFT after the handoff against the same engine cold",
+    )
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
     a = _args(argv)
+    if a.disagg:
+        from kvtier.bench import vllm_disagg
+
+        code: int = vllm_disagg.run(a)
+        return code
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -221,3 +234,9 @@ def main(argv: list[str]) -> int:
         ),
     )
     return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))
