@@ -94,7 +94,7 @@ def main(model: str, url: str, out_dir: str, mode: str) -> None:
         wait_for(out / "down")
         other = prompt(11, PROMPT_TOKENS)
         down_new = eng.generate(other)  # computed; its save is dropped
-        down_shared = eng.generate(shared)  # not in this engine's mirror: asks the daemon
+        down_shared = eng.generate(shared)  # in the mirror (loaded before): the load fails
         recomputed = eng.generate(other, cache_salt="recompute")
         r.update(
             down_new=down_new.tokens,
