@@ -366,29 +366,6 @@ class Producer:
         self.log.close()
 
 
-def start_daemon(tmp: Path, max_value_bytes: int) -> tuple[str, subprocess.Popen[bytes]]:
-    from kvtier.bench.daemon import _free_port, _wait
-
-    port = _free_port()
-    log = tmp / "daemon.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.cli.main", "serve", "--port", str(port),
-             "--data-dir", "", "--set", f"service.max_value_bytes={max_value_bytes}",
-             "--set", "tiers.0.capacity_bytes=2GiB", "--set", "tiers.0.pin=off",
-             "--set", "tiers.0.prefault=false", "--set", "log_level=WARNING"],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-
-    _wait(
-        lambda: httpx.get(url + "/readyz", timeout=1).status_code == 200, proc, "kvtier serve", log
-    )
-    return url, proc
-
-
 def run_disagg(a: argparse.Namespace) -> int:
     """The disaggregated mode (``--disagg``); see the module docstring."""
     import httpx
@@ -399,7 +376,9 @@ def run_disagg(a: argparse.Namespace) -> int:
     model = write_tiny_llama(a.model_dir or tmp / "model", geo)
     elem = 4 if "32" in a.dtype else 2
     kv_bytes_per_token = 2 * geo.layers * geo.kv_heads * geo.head_dim * elem
-    url, daemon = start_daemon(tmp, kv_bytes_per_token * a.chunk_tokens)
+    from kvtier.bench.daemon import start_kvtier
+
+    url, daemon = start_kvtier(tmp, "2GiB", max_value_bytes=kv_bytes_per_token * a.chunk_tokens)
     producer: Producer | None = None
     try:
         producer = Producer(a, model, url, tmp / "producer.log")
