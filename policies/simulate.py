@@ -26,7 +26,13 @@ import numpy as np
 from kvtier.errors import InputError
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
-from kvtier.store.policy import EvictionFactory, PlacementPolicy, WriteThrough, eviction_factory
+from kvtier.store.policy import (
+    EvictionFactory,
+    EvictionPolicy,
+    PlacementPolicy,
+    WriteThrough,
+    eviction_factory,
+)
 from kvtier.tiers.meta import MetaTier
 
 from .eviction import CostAwareEviction
@@ -179,9 +185,34 @@ def build(
         raise InputError("no tier has room for one chunk of "
                          f"{chunk_bytes} B; raise the capacities")
     placement, eviction = make_policies(cfg, trace, specs, caps, clock)
-    store = TieredStore(tiers, eviction=eviction, placement=placement, io_threads=0,
+    made: list[EvictionPolicy] = []
+
+    def tracked() -> EvictionPolicy:
+        made.append(eviction())
+        return made[-1]
+
+    store = TieredStore(tiers, eviction=tracked, placement=placement, io_threads=0,
                         promote_on_hit=cfg.promote_on_hit)
+    if isinstance(placement, CostAwarePlacement):
+        placement.bind(_View(tiers, made))
     return store, specs, placement
+
+
+class _View:
+    def __init__(self, tiers: Sequence[MetaTier], evictions: Sequence[EvictionPolicy]) -> None:
+        self.tiers = tiers
+        self.evictions = evictions
+
+    def free_slots(self, tier: int) -> int:
+        return self.tiers[tier].free_slots
+
+    def coldest(self, tier: int, n: int) -> list[ChunkKey]:
+        out: list[ChunkKey] = []
+        for k in self.evictions[tier].candidates():
+            out.append(k)
+            if len(out) >= n:
+                break
+        return out
 
 
 def make_policies(
