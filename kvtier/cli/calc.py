@@ -68,7 +68,7 @@ def _capacities(items: list[str], names: list[str], flag: str) -> dict[str, list
 
 
 def _load_inputs(
-    model: str, hardware: str, trace: Path | None, limit: int | None, synthetic_requests: int,
+    model: str, hardware: str, trace: str | None, limit: int | None, synthetic_requests: int,
     rate: float, conversations: int, turn_tokens: int, system_tokens: int, policy: str,
     json_out: Path | None, plots: Path | None, gpus: int | None,
 ) -> _Inputs:
@@ -96,7 +96,7 @@ def calc(
     ctx: typer.Context,
     model: Annotated[str, typer.Option("--model", "-m", help="Preset (llama-3-8b, llama-3-70b, qwen2-7b, mixtral-8x7b, deepseek-v3) or a HF config.json.")] = "llama-3-8b",
     hardware: Annotated[str, typer.Option("--hardware", "-H", help="Hardware preset (h200-dram-nvme, h200-dram-cxl-nvme, h200-dram-qlc, h200-dram-redis) or a TOML file.")] = "h200-dram-nvme",
-    trace: Annotated[Optional[Path], typer.Option(help="Mooncake-format JSONL trace; synthetic workload when absent.")] = None,  # noqa: UP045
+    trace: Annotated[Optional[str], typer.Option(help="Shipped trace (mooncake-conversation, mooncake-synthetic) or a Mooncake-format .jsonl[.gz] file; synthetic workload when absent.")] = None,  # noqa: UP045
     limit: Annotated[Optional[int], typer.Option(help="Use only the first N requests of the trace.")] = None,  # noqa: UP045
     synthetic_requests: Annotated[int, typer.Option(help="Synthetic workload: requests.")] = 2000,
     rate: Annotated[float, typer.Option(help="Synthetic workload: arrivals per second.")] = 4.0,

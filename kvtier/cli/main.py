@@ -80,8 +80,11 @@ def demo(
     set_: SetOpt = None,
     sequences: Annotated[int, typer.Option(help="Requests to replay from the trace.")] = 12,
     trace: Annotated[
-        Optional[Path],  # noqa: UP045
-        typer.Option(help="Mooncake trace for context lengths (default: ../shared/data/mooncake)."),
+        Optional[str],  # noqa: UP045
+        typer.Option(
+            help="Trace for context lengths and prefix reuse: mooncake-conversation (default), "
+            "mooncake-synthetic, or a Mooncake-format .jsonl[.gz] file."
+        ),
     ] = None,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
 ) -> None:

@@ -16,7 +16,6 @@ from kvtier.cli.main import app
 from kvtier.policies.recompute import COMPUTE_PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
-TRACES = ROOT / ".." / "shared" / "data" / "mooncake"
 FIELDS = {"kv_bytes_per_token", "tiers", "hit_rate", "ttft_p50_s", "ttft_p99_s", "cost_per_month",
           "ssd_wear_pct_per_year", "seed_thresholds"}
 runner = CliRunner()
@@ -28,10 +27,10 @@ def calc(*args: str) -> None:
     assert res.exit_code == 0, res.output
 
 
-@pytest.mark.parametrize("trace", ["conversation_trace", "synthetic_trace"])
+@pytest.mark.parametrize("trace", ["mooncake-conversation", "mooncake-synthetic"])
 def test_calc_searches_capacities_on_both_traces(tmp_path: Path, trace: str) -> None:
     out = tmp_path / "calc.json"
-    calc("--trace", str(TRACES / f"{trace}.jsonl"), "--limit", "250", "--rounds", "1",
+    calc("--trace", trace, "--limit", "250", "--rounds", "1",
          "--slo", "5", "--json", str(out), "--plots", str(tmp_path / "plots"))
     doc = json.loads(out.read_text())
     assert set(doc) >= FIELDS
