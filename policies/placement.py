@@ -11,7 +11,7 @@ What it does with a chunk (the store asks under its lock):
   a colder victim of its own (TinyLFU's rule: the newcomer must be at least as likely
   to be reused as what it would displace), and (b) is worth it:
 
-      p · (recompute_s − load_s(t)) · value_per_s  >  b · wear_cost_per_byte(t) · pressure(t)
+      p · (recompute_s - load_s(t)) · value_per_s  >  b · wear_cost_per_byte(t) · pressure(t)
                                                       + b · storage_cost_per_byte_s(t) · horizon_s
 
   and (c) whose write budget grants the bytes. Otherwise it is dropped, and remembered
@@ -39,13 +39,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from typing_extensions import override
 
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
-from kvtier.store.policy import PlacementPolicy
+from kvtier.store.policy import PlacementPolicy, TierView
 
 from .budget import WriteBudget
 from .profiles import TierSpec
@@ -53,16 +52,6 @@ from .reuse import ReuseTracker
 
 MIN_FILL = 1e-3
 """Below this share of the allowance left, the pressure stops growing (the cap decides)."""
-
-
-class TierView(Protocol):
-    """What placement may see of the store's tiers (read-only, under the store's lock)."""
-
-    def free_slots(self, tier: int) -> int:
-        """Slots of ``tier`` free now."""
-
-    def coldest(self, tier: int, n: int) -> Sequence[ChunkKey]:
-        """Up to ``n`` keys ``tier`` would evict first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,10 +158,10 @@ class CostAwarePlacement(PlacementPolicy):
         self._hold = [b * t.storage_cost_per_byte_s() * economics.horizon_s for t in self.tiers]
         self._load = [t.load_time_s(b) for t in self.tiers]
         n = len(self.tiers)
-        self._c = _Counters(*([0] * n for _ in range(6)))
+        self._c = _Counters([0] * n, [0] * n, [0] * n, [0] * n, [0] * n, [0] * n)
 
+    @override
     def bind(self, view: TierView) -> None:
-        """Let the policy see free room and coldest chunks of the store's tiers."""
         self._view = view
 
     # -- the model ------------------------------------------------------------------------

@@ -23,16 +23,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from kvtier.config import PlacementConfig, StoreConfig
 from kvtier.errors import InputError
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
-from kvtier.store.policy import (
-    EvictionFactory,
-    EvictionPolicy,
-    PlacementPolicy,
-    WriteThrough,
-    eviction_factory,
-)
+from kvtier.store.policy import EvictionFactory, PlacementPolicy, WriteThrough, eviction_factory
 from kvtier.tiers.meta import MetaTier
 
 from .eviction import CostAwareEviction
@@ -44,6 +39,10 @@ from .trace import Trace
 
 STAND_IN_BYTES = 4096
 """Bytes of one simulated slot (one chunk); the store needs a size, the tiers keep none."""
+
+_LIVE_PLACEMENT = PlacementConfig()
+_LIVE_STORE = StoreConfig()
+"""What a live store does by default; the simulator's ``kvtier`` policy starts from it."""
 
 POLICIES = ("kvtier", "lru-write-through", "arc-write-through")
 
@@ -59,24 +58,26 @@ class SimConfig:
         policy: ``kvtier`` (cost-aware placement, admission, write budget, cost-aware
             eviction) or a baseline: ``lru-write-through`` / ``arc-write-through``
             (keep everything, demote tier by tier, as the peers do).
-        value_of_latency_per_s: $ per second of user waiting, added to GPU time.
+        value_of_latency_per_s: $ per second of user waiting, added to GPU time (default:
+            the live store's, ``[placement] value_of_latency_per_s``).
         horizon_s: expected stay of a chunk, for its storage cost in placement.
         budget_window_s: write-budget window (one day: the budget is bytes per day; 3600
             paces it per hour).
         promote_on_hit: let the store promote lower-tier hits (placement may decline).
         eviction: eviction order under ``kvtier`` (``cost``: by the placement's reuse
-            odds; or a registered name such as ``lru``, ``arc``); baselines use their own.
+            odds; or a registered name such as ``lru``, ``arc``; default: the live
+            store's, ``store.eviction``); baselines use their own.
     """
 
     model: ModelCompute
     hardware: Hardware
     capacities_bytes: tuple[int, ...]
     policy: str = "kvtier"
-    value_of_latency_per_s: float = 0.0
+    value_of_latency_per_s: float = _LIVE_PLACEMENT.value_of_latency_per_s
     horizon_s: float = 0.0
-    budget_window_s: float = 86400.0
+    budget_window_s: float = _LIVE_PLACEMENT.write_budget_window_s
     promote_on_hit: bool = True
-    eviction: str = "cost"
+    eviction: str = _LIVE_STORE.eviction
 
     def __post_init__(self) -> None:
         if len(self.capacities_bytes) != len(self.hardware.tiers):
@@ -185,34 +186,9 @@ def build(
         raise InputError("no tier has room for one chunk of "
                          f"{chunk_bytes} B; raise the capacities")
     placement, eviction = make_policies(cfg, trace, specs, caps, clock)
-    made: list[EvictionPolicy] = []
-
-    def tracked() -> EvictionPolicy:
-        made.append(eviction())
-        return made[-1]
-
-    store = TieredStore(tiers, eviction=tracked, placement=placement, io_threads=0,
+    store = TieredStore(tiers, eviction=eviction, placement=placement, io_threads=0,
                         promote_on_hit=cfg.promote_on_hit)
-    if isinstance(placement, CostAwarePlacement):
-        placement.bind(_View(tiers, made))
     return store, specs, placement
-
-
-class _View:
-    def __init__(self, tiers: Sequence[MetaTier], evictions: Sequence[EvictionPolicy]) -> None:
-        self.tiers = tiers
-        self.evictions = evictions
-
-    def free_slots(self, tier: int) -> int:
-        return self.tiers[tier].free_slots
-
-    def coldest(self, tier: int, n: int) -> list[ChunkKey]:
-        out: list[ChunkKey] = []
-        for k in self.evictions[tier].candidates():
-            out.append(k)
-            if len(out) >= n:
-                break
-        return out
 
 
 def make_policies(

@@ -91,7 +91,8 @@ def test_ssd_writes_never_exceed_the_budget(ops: list[tuple[float, int, int]],
     store, _, budget = make_store(6, 64, budget_chunks * VALUE, clock, window_s=window)
     convs: dict[int, list[int]] = {}
     next_id = 1000
-    written: list[tuple[float, int]] = []  # (time, cumulative SSD bytes written)
+    # (time, cumulative SSD bytes written, of which puts the store had to take)
+    written: list[tuple[float, int, float]] = []
     try:
         for dt, conv, add in ops:
             clock.t += dt
@@ -101,12 +102,15 @@ def test_ssd_writes_never_exceed_the_budget(ops: list[tuple[float, int, int]],
                 next_id += 1
             replay(store, [list(blocks)])
             ssd = store.stats().tiers[1]
-            written.append((clock.t, ssd.bytes_written))
-            assert ssd.bytes_written <= budget.granted_bytes
-        # Every window of the budget's length holds at most its allowance.
-        for i, (t_end, w_end) in enumerate(written):
-            before = [w for t, w in written[:i] if t < t_end - window]
-            assert w_end - (before[-1] if before else 0) <= budget.allowance_bytes
+            written.append((clock.t, ssd.bytes_written, budget.forced_bytes))
+            # Demotions write only what the budget granted; a put that overflows the
+            # host (a run longer than it) is stored, never refused, and counted.
+            assert ssd.bytes_written <= budget.granted_bytes + budget.forced_bytes
+        # Every window of the budget's length holds at most its allowance of demotions.
+        for i, (t_end, w_end, f_end) in enumerate(written):
+            before = [(w, f) for t, w, f in written[:i] if t < t_end - window]
+            w0, f0 = before[-1] if before else (0, 0.0)
+            assert (w_end - w0) - (f_end - f0) <= budget.allowance_bytes
     finally:
         store.close()
 
@@ -118,7 +122,11 @@ def test_eviction_takes_exactly_what_is_needed_with_every_policy() -> None:
         try:
             replay(store, [[1, 2, 3, 4]])
             assert store.pin([key(i) for i in (1, 2, 3, 4)]) == 4
-            # Nothing evictable: the put changes nothing.
+            # The host is full and pinned: a put still stores, in the ssd (never refused).
+            replay(store, [[5, 6, 7, 8]])
+            assert store.lookup([key(i) for i in (5, 6, 7, 8)]).tiers == ("ssd",) * 4
+            assert store.pin([key(i) for i in (5, 6, 7, 8)]) == 4
+            # Nothing evictable anywhere: the put changes nothing.
             res = store.put([key(10), key(11)], np.zeros(2 * VALUE, dtype=np.uint8)).result()
             assert res.stored == 0
             st_ = store.stats()
