@@ -307,7 +307,8 @@ def plan_config(
     lines = [
         f"# Written by kvtier calc: {model.name} on {hw.name}, workload {r.trace}",
         f"# ({r.requests} requests). Predicted hit rate {r.hit_rate:.3f} of chunks ({hits}),",
-        f"# TTFT p50 {r.ttft_p50_s:.3f} s, p99 {r.ttft_p99_s:.3f} s, ${r.cost_per_month:,.0f}/month.",
+        f"# TTFT p50 {r.ttft_p50_s:.3f} s, p99 {r.ttft_p99_s:.3f} s, "
+        f"${r.cost_per_month:,.0f}/month.",
         "# Use it with `kvtier serve --config FILE` or the vLLM connector's config_file.",
         "",
         "[model]",

@@ -75,7 +75,6 @@ def test_a_store_built_from_the_written_config_matches_the_plan(tmp_path: Path) 
     finally:
         store.close()
     measured = {name: h / chunks for name, h in hits.items()}
-    print("predicted", predicted, "measured", measured)
     assert sum(predicted.values()) > 0.05  # a plan with hits to reproduce
     for name, p in predicted.items():
         assert abs(measured[name] - p) <= 0.02, (name, measured, predicted)
