@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import enum
 import ipaddress
 import os
@@ -30,20 +31,17 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TypeVar
 
+from kvtier.enums import Switch as Switch  # re-exported: configs name it with their options
 from kvtier.errors import ConfigError
+from kvtier.tiers.base import TierSection
 from kvtier.units import GiB, parse_size
 
 T = TypeVar("T")
 
 ENV_PREFIX = "KVTIER_"
-
-
-class Switch(enum.Enum):
-    """An optional acceleration: force it on, force it off, or use it where it works."""
-
-    AUTO = "auto"
-    ON = "on"
-    OFF = "off"
+# The one environment variable without the nested form: people type it (issue 12). It is
+# service.data_dir, like KVTIER_SERVICE__DATA_DIR (which wins when both are set).
+DATA_DIR_ENV = "KVTIER_DATA_DIR"
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +79,7 @@ class StoreConfig:
 
 
 @dataclass(frozen=True, slots=True)
+<<<<<<< HEAD
 class PlacementConfig:
     """The economics behind ``store.placement = "cost"`` (docs/cost-model.md).
 
@@ -135,6 +134,8 @@ class TierSection:
 
 
 @dataclass(frozen=True, slots=True)
+=======
+>>>>>>> main
 class ServiceConfig:
     """The REST daemon (``kvtier serve``): where it listens, who may use it, its limits."""
 
@@ -213,6 +214,8 @@ def load_config(
     if path is not None:
         raw = merge(raw, read_toml(path))
     environ = os.environ if env is None else env
+    if DATA_DIR_ENV in environ:
+        set_dotted(raw, "service.data_dir", environ[DATA_DIR_ENV], source=DATA_DIR_ENV)
     for name, value in sorted(environ.items()):
         if name.startswith(ENV_PREFIX) and "__" in name:
             dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
@@ -300,6 +303,11 @@ def parse_config(raw: Mapping[str, Any]) -> KVTierConfig:
         if not isinstance(kind, str):
             raise ConfigError(f"{where}.kind", kind, "a tier kind such as 'host'")
         options_cls = tier_options_class(kind, where)
+        known = ["capacity_bytes", "kind", "name"]
+        known += [f.name for f in dataclasses.fields(options_cls)]
+        for key in t:
+            if key not in known:
+                raise ConfigError(f"{where}.{key}", t[key], _known_keys(key, known, f"{kind} tier"))
         name = str(t.pop("name", kind))
         if "capacity_bytes" not in t:
             raise ConfigError(f"{where}.capacity_bytes", None, "a size such as '4GiB'")
@@ -417,7 +425,8 @@ def build_dataclass(cls: type[T], raw: Mapping[str, Any], where: str) -> T:
     for key, value in raw.items():
         dotted = f"{where}.{key}" if where else key
         if key not in fields:
-            raise ConfigError(dotted, value, f"one of the known keys {sorted(fields)}")
+            table = f"[{where}] table" if where else "top level"
+            raise ConfigError(dotted, value, _known_keys(key, list(fields), table))
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             kwargs[key] = build_dataclass(hint, value, dotted)  # type: ignore[arg-type]
@@ -429,6 +438,13 @@ def build_dataclass(cls: type[T], raw: Mapping[str, Any], where: str) -> T:
         raise ConfigError(
             where or "<root>", dict(raw), f"the fields of {cls.__name__}: {exc}"
         ) from exc
+
+
+def _known_keys(key: str, known: list[str], where: str) -> str:
+    """What an unknown key should have been: the closest known one, then all of them."""
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"one of the known keys of the {where} {sorted(known)}{hint}"
 
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:
