@@ -79,7 +79,6 @@ class StoreConfig:
 
 
 @dataclass(frozen=True, slots=True)
-<<<<<<< HEAD
 class PlacementConfig:
     """The economics behind ``store.placement = "cost"`` (docs/cost-model.md).
 
@@ -120,22 +119,6 @@ class PlacementConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class TierSection:
-    """One tier of the hierarchy, top (fastest) first in ``KVTierConfig.tiers``."""
-
-    # Tier kind: host, cxl, gpu (nvme and redis once installed); see docs/configuration.md.
-    kind: str
-    # Name in stats, logs and metrics; defaults to the kind.
-    name: str
-    # Bytes this tier may hold.
-    capacity_bytes: int
-    # The kind's own options, validated against its options class.
-    options: Any = None
-
-
-@dataclass(frozen=True, slots=True)
-=======
->>>>>>> main
 class ServiceConfig:
     """The REST daemon (``kvtier serve``): where it listens, who may use it, its limits."""
 

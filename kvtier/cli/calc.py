@@ -169,8 +169,7 @@ def calc(
         doc["plots"] = _plots(inputs.plots, p.evaluated, names, p.capacities_bytes,
                               slo_s=slo, budget_per_month=budget)
     if inputs.json_out is not None:
-<<<<<<< HEAD
-        inputs.json_out.write_text(json.dumps(doc, indent=2))
+        _write_json(inputs.json_out, doc)
     if write_config is not None:
         from kvtier.policies.calc import plan_config
 
@@ -179,11 +178,8 @@ def calc(
             p.best, policy=inputs.policy, nvme_dir=nvme_dir,
         ))
         out.print(f"config: {write_config} (kvtier serve --config {write_config})")
-=======
-        _write_json(inputs.json_out, doc)
     if not p.goal_met:
         raise typer.Exit(1)
->>>>>>> main
 
 
 @calc_app.command()
