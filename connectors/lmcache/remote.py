@@ -197,12 +197,10 @@ class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache i
 
     @override
     def support_ping(self) -> bool:
-        return True
-
-    @override
-    async def ping(self) -> int:
-        """0 when the daemon answers /readyz, 1 otherwise."""
-        return 0 if await self._run(self.link.ready) else 1
+        """False on purpose: LMCache's health monitor turns a failed ping into
+        "recompute everything" (its default ``fallback_policy``), while this connector
+        already answers misses per call and reconnects by itself (docs/lmcache.md)."""
+        return False
 
     @override
     async def close(self) -> None:

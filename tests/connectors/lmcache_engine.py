@@ -15,18 +15,23 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
 from lmcache.v1.metadata import LMCacheMetadata
+
+from tests.service.conftest import Daemon, free_port, kvtier_cmd
 
 CHUNK = 16
 LAYERS, HEADS, HEAD_SIZE = 2, 2, 8
@@ -165,6 +170,51 @@ def plugin_config(config_file: str) -> dict[str, Any]:
             "storage_plugin.kvtier.config_file": config_file,
         },
     }
+
+
+def nvme_toml(directory: Path, capacity: str = "64MiB", **service: Any) -> str:
+    """A kvtier config whose only tier is nvme: what it holds survives a restart.
+
+    (A clean daemon shutdown does not yet write host-tier chunks down to nvme, so a
+    host tier above it would lose them.)
+    """
+    lines = [
+        '[[tiers]]', 'kind = "nvme"', f'capacity_bytes = "{capacity}"',
+        f'dir = "{directory / "nvme"}"', "create_dirs = true", "",
+        # keep: admit every chunk (the cost model declines new chunks for a lone SSD).
+        "[store]", 'placement = "keep"', "", "[service]",
+        f'data_dir = "{directory}"', 'max_value_bytes = "1MiB"',
+    ]
+    lines += [f"{k} = {v!r}" for k, v in service.items()]
+    return "\n".join(lines) + "\n"
+
+
+def nvme_daemon(directory: Path, port: int | None = None) -> Daemon:
+    """``kvtier serve`` on a free port with :func:`nvme_toml` (same dir: same chunks)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config = directory / "kvtier.toml"
+    config.write_text(nvme_toml(directory))
+    port = port or free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    log = directory / f"daemon-{time.monotonic_ns()}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [*kvtier_cmd(), "serve", "--config", str(config), "--port", str(port)],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )
+    d = Daemon(f"http://127.0.0.1:{port}", proc, log)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{d.url}/readyz", timeout=1).status_code == 200:
+                return d
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    d.stop()
+    raise RuntimeError(f"daemon did not become ready:\n{log.read_text()}")
 
 
 REMOTE = "RemoteBackend-kvtier"
