@@ -141,7 +141,7 @@ class DaemonLink:
         if not self.available():
             return False
         try:
-            found = self._client.exists(key)
+            found: bool = self._client.exists(key)
         except KVTierError as exc:
             self._failed("exists", exc)
             return False
@@ -153,7 +153,7 @@ class DaemonLink:
         if not keys or not self.available():
             return 0
         try:
-            n = self._client.lookup(list(keys)).hits
+            n: int = self._client.lookup(list(keys)).hits
         except KVTierError as exc:
             self._failed(f"lookup of {len(keys)} keys", exc)
             return 0
@@ -177,9 +177,7 @@ class DaemonLink:
         res = self.put_many([key], [value])
         return res is not None and res.stored + res.present == 1
 
-    def put_many(
-        self, keys: Sequence[ChunkKey], values: Sequence[memoryview]
-    ) -> PutResult | None:
+    def put_many(self, keys: Sequence[ChunkKey], values: Sequence[memoryview]) -> PutResult | None:
         """Store values in as few requests as the daemon's limits allow.
 
         Returns:
@@ -191,7 +189,7 @@ class DaemonLink:
         if not self.available():
             return None
         try:
-            res = self._client.put_many(list(keys), list(values))
+            res: PutResult = self._client.put_many(list(keys), list(values))
         except KVTierError as exc:
             self._failed(f"store of {len(keys)} chunks", exc)
             return None
@@ -211,7 +209,7 @@ class DaemonLink:
         if not self.available():
             return False
         try:
-            gone = self._client.delete(key)
+            gone: bool = self._client.delete(key)
         except KVTierError as exc:
             self._failed("delete", exc)
             return False
@@ -220,7 +218,8 @@ class DaemonLink:
 
     def ready(self) -> bool:
         """True when the daemon answers /readyz (does not touch the breaker)."""
-        return self._client.ready()
+        ready: bool = self._client.ready()
+        return ready
 
     def close(self) -> None:
         self._client.close()

@@ -24,6 +24,7 @@ and counts it); nothing here raises into LMCache after start-up.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -82,9 +83,7 @@ class KVTierStoragePlugin(StoragePluginInterface):  # type: ignore[misc]  # LMCa
                 "storage_plugins", "kvtier", "an engine with metadata and local_cpu_backend"
             )
         extra = config.extra_config or {}
-        self.name = plugin_name(
-            extra, config.storage_plugins, STORAGE_PREFIX, type(self).__name__
-        )
+        self.name = plugin_name(extra, config.storage_plugins, STORAGE_PREFIX, type(self).__name__)
         path = extra.get(f"{STORAGE_PREFIX}.{self.name}.{CONFIG_FILE}")
         cfg = load_config(path or None)
         self.meta_shapes = metadata.get_shapes()
@@ -164,7 +163,7 @@ class KVTierStoragePlugin(StoragePluginInterface):  # type: ignore[misc]  # LMCa
                 self._put_done(key, obj, None)
                 continue
             fut.add_done_callback(
-                lambda f, k=key, o=obj: self._put_done(k, o, f, on_complete_callback)
+                functools.partial(self._put_done, key, obj, callback=on_complete_callback)
             )
             futures.append(fut)
         return futures
@@ -174,6 +173,7 @@ class KVTierStoragePlugin(StoragePluginInterface):  # type: ignore[misc]  # LMCa
         key: CacheEngineKey,
         obj: MemoryObj,
         fut: Future[PutResult] | None,
+        *,
         callback: Callable[[CacheEngineKey], None] | None = None,
     ) -> None:
         obj.ref_count_down()

@@ -179,11 +179,19 @@ def nvme_toml(directory: Path, capacity: str = "64MiB", **service: Any) -> str:
     host tier above it would lose them.)
     """
     lines = [
-        '[[tiers]]', 'kind = "nvme"', f'capacity_bytes = "{capacity}"',
-        f'dir = "{directory / "nvme"}"', "create_dirs = true", "",
+        "[[tiers]]",
+        'kind = "nvme"',
+        f'capacity_bytes = "{capacity}"',
+        f'dir = "{directory / "nvme"}"',
+        "create_dirs = true",
+        "",
         # keep: admit every chunk (the cost model declines new chunks for a lone SSD).
-        "[store]", 'placement = "keep"', "", "[service]",
-        f'data_dir = "{directory}"', 'max_value_bytes = "1MiB"',
+        "[store]",
+        'placement = "keep"',
+        "",
+        "[service]",
+        f'data_dir = "{directory}"',
+        'max_value_bytes = "1MiB"',
     ]
     lines += [f"{k} = {v!r}" for k, v in service.items()]
     return "\n".join(lines) + "\n"
@@ -200,7 +208,9 @@ def nvme_daemon(directory: Path, port: int | None = None) -> Daemon:
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [*kvtier_cmd(), "serve", "--config", str(config), "--port", str(port)],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
     d = Daemon(f"http://127.0.0.1:{port}", proc, log)
     deadline = time.monotonic() + 60

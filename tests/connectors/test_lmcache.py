@@ -21,14 +21,14 @@ import pytest
 
 pytest.importorskip("lmcache", reason="LMCache is not installed (pip install 'kvtier[lmcache]')")
 
-import torch  # noqa: E402
-from lmcache.utils import CacheEngineKey  # noqa: E402
-from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.distributed.api import ObjectKey
 
-from kvtier.connectors.lmcache.keys import engine_key, object_key  # noqa: E402
-from kvtier.connectors.lmcache.settings import daemon_settings, params_settings  # noqa: E402
-from kvtier.errors import ConfigError  # noqa: E402
-from tests.connectors.lmcache_engine import (  # noqa: E402
+from kvtier.connectors.lmcache.keys import engine_key, object_key
+from kvtier.connectors.lmcache.settings import daemon_settings, params_settings
+from kvtier.errors import ConfigError
+from tests.connectors.lmcache_engine import (
     CHUNK,
     HASH_SEED,
     PLUGIN,
@@ -41,7 +41,7 @@ from tests.connectors.lmcache_engine import (  # noqa: E402
     prompt,
     remote_config,
 )
-from tests.service.conftest import TOKENS, Daemon, free_port, start_daemon  # noqa: E402
+from tests.service.conftest import TOKENS, Daemon, free_port, start_daemon
 
 N_TOKENS = 4 * CHUNK + 5  # four full chunks and a partial one
 FULL = 4 * CHUNK
@@ -151,9 +151,19 @@ def test_remote_hits_after_restarting_daemon_and_engine_process(
     daemons.append(d)
     # Store from another engine process, which then exits.
     env = {**os.environ, "PYTHONHASHSEED": HASH_SEED}
-    cmd = [sys.executable, "-m", "tests.connectors.lmcache_engine", "store", d.url, "5", str(N_TOKENS)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.connectors.lmcache_engine",
+        "store",
+        d.url,
+        "5",
+        str(N_TOKENS),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
-    assert run.returncode == 0 and f"stored {FULL}" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]
+    assert run.returncode == 0 and f"stored {FULL}" in run.stdout, (
+        run.stdout[-2000:] + run.stderr[-4000:]
+    )
     assert d.stop() in (0, -15)
     daemons.append(nvme_daemon(tmp_path / "daemon", port=int(d.url.rsplit(":", 1)[1])))
 
