@@ -32,17 +32,18 @@ from kvtier.alloc import BuddyAllocator, decompose
 from kvtier.bench.common import envelope, write_json
 from kvtier.config import load_config
 from kvtier.spec import preset
+from kvtier.traces import open_trace
 
 FIXED_PAGES = (16, 256, 16384, 32768)
 CONTEXTS = (8192, 32768, 49152, 65536, 131072)
 CHUNK = 256
-TRACES = ("conversation_trace.jsonl", "synthetic_trace.jsonl")
-TRACE_DIR = Path("../shared/data/mooncake")
+# The Mooncake traces shipped in kvtier/data/mooncake (kvtier.traces), by report name.
+TRACES = {"conversation_trace": "mooncake-conversation", "synthetic_trace": "mooncake-synthetic"}
 
 
-def trace_lengths(path: Path) -> list[int]:
-    with path.open() as f:
-        return [int(json.loads(line)["input_length"]) for line in f]
+def trace_lengths(trace: str | Path) -> list[int]:
+    with open_trace(trace) as f:
+        return [int(json.loads(line)["input_length"]) for line in f if line.strip()]
 
 
 def adaptive_max_order() -> int:
@@ -213,19 +214,17 @@ def main(argv: list[str]) -> int:
     schemes = ["adaptive"] + [f"fixed-{p}" for p in FIXED_PAGES]
     workloads: dict[str | int, list[int]] = {c: [c] for c in CONTEXTS}
     trace_all: list[int] = []
-    for name in TRACES:
-        p = TRACE_DIR / name
-        if p.exists():
-            lens = trace_lengths(p)
-            workloads[name.removesuffix(".jsonl")] = lens
-            trace_all += lens
+    for name, shipped in TRACES.items():
+        lens = trace_lengths(shipped)
+        workloads[name] = lens
+        trace_all += lens
     rows: list[dict[str, Any]] = []
     for ctx, lens in workloads.items():
         for scheme in schemes:
             r = scheme_row(scheme, lens, max_order)
             rows.append({"scheme": scheme, "context_tokens": ctx, **r})
 
-    lengths = trace_all or [49152]
+    lengths = trace_all
     churn_rows = [
         churn(s, args.arena_tokens, lengths, args.churn_ops, max_order, args.seed)
         for s in ["adaptive", "adaptive-strict", *[f"fixed-{p}" for p in FIXED_PAGES]]

@@ -47,11 +47,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
 SPEED_BOUND_S = 30.0
 
 
-def _data_dir() -> Path:
-    for cand in (Path("../shared/data/mooncake"), Path("/work/shared/data/mooncake")):
-        if cand.is_dir():
-            return cand
-    return Path("../shared/data/mooncake")
+def _shipped(name: str) -> str:
+    """The shipped trace (kvtier/data/mooncake) for a report name such as conversation_trace."""
+    return "mooncake-" + name.removesuffix("_trace")
 
 
 def _met(flag: bool | None) -> str:
@@ -82,7 +80,7 @@ def main(argv: list[str]) -> int:
     speed: list[dict[str, Any]] = []
     print(f"{'trace':20} {'policy':18} {'hit':>6} {'ssd TB':>8} {'$/month':>9} "
           f"{'hit x':>6} {'ssd x':>6} {'cost x':>6} {'met':>4} {'wall s':>7} {'cpu s':>6}")
-    traces = {n: load_trace(_data_dir() / f"{n}.jsonl", limit=args.limit)
+    traces = {n: load_trace(_shipped(n), limit=args.limit)
               for n in args.traces.split(",")}
     for (name, trace), caps in itertools.product(traces.items(), configs):
         base: dict[str, Any] | None = None
@@ -148,7 +146,7 @@ def main(argv: list[str]) -> int:
     validations: list[dict[str, Any]] = []
     ok = True
     if args.validate_requests > 0:
-        trace = load_trace(_data_dir() / "conversation_trace.jsonl", limit=args.validate_requests)
+        trace = load_trace("mooncake-conversation", limit=args.validate_requests)
         chunk = model.kv.chunk_bytes(trace.block_tokens)
         vcaps = (1500 * chunk, 4000 * chunk)
         for variant in ("lru-write-through", "kvtier"):

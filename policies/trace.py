@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.errors import InputError
+from kvtier.traces import open_trace, resolve_trace, trace_name
 
 MOONCAKE_BLOCK_TOKENS = 512
 
@@ -86,49 +87,53 @@ def _int(value: object, name: str, where: str) -> int:
 
 
 def load_trace(path: str | Path, *, limit: int | None = None) -> Trace:
-    """Read a Mooncake-format JSONL trace.
+    """Read a Mooncake-format JSONL trace (``.jsonl`` or ``.jsonl.gz``).
 
     Args:
-        path: the file.
+        path: the file, or a shipped trace's name (``mooncake-conversation``,
+            ``mooncake-synthetic``; see :mod:`kvtier.traces`).
         limit: read only the first ``limit`` requests.
 
     Raises:
         InputError: unreadable file, or a malformed line (named with its number and field).
     """
-    p = Path(path)
+    p = resolve_trace(path)
     requests: list[Request] = []
+    fh = open_trace(p)
     try:
-        fh = p.open()
-    except OSError as exc:
+        with fh:
+            for lineno, line in enumerate(fh, 1):
+                if limit is not None and len(requests) >= limit:
+                    break
+                if not line.strip():
+                    continue
+                requests.append(_request(line, f"{p}:{lineno}"))
+    except (OSError, EOFError, UnicodeDecodeError) as exc:  # a bad .gz fails on read
         raise InputError(f"cannot read trace {p}: {exc}") from exc
-    with fh:
-        for lineno, line in enumerate(fh, 1):
-            if limit is not None and len(requests) >= limit:
-                break
-            if not line.strip():
-                continue
-            where = f"{p}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except ValueError as exc:
-                raise InputError(f"{where}: not valid JSON ({exc})") from None
-            if not isinstance(obj, dict):
-                raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            ts = _field(obj, "timestamp", where)
-            if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts < 0:
-                raise InputError(f"{where}: field 'timestamp' must be ms >= 0, got {ts!r}")
-            n_in = _int(_field(obj, "input_length", where), "input_length", where)
-            n_out = _int(obj.get("output_length", 0), "output_length", where)
-            ids = _field(obj, "hash_ids", where)
-            if not isinstance(ids, list) or not all(
-                isinstance(h, int) and not isinstance(h, bool) for h in ids
-            ):
-                raise InputError(f"{where}: field 'hash_ids' must be a list of integers")
-            requests.append(Request(float(ts) / 1000.0, n_in, n_out, tuple(ids)))
     if not requests:
         raise InputError(f"{p}: no requests in the trace")
     requests.sort(key=lambda r: r.t_s)
-    return Trace(p.stem, tuple(requests))
+    return Trace(trace_name(p), tuple(requests))
+
+
+def _request(line: str, where: str) -> Request:
+    try:
+        obj = json.loads(line)
+    except ValueError as exc:
+        raise InputError(f"{where}: not valid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise InputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    ts = _field(obj, "timestamp", where)
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts < 0:
+        raise InputError(f"{where}: field 'timestamp' must be ms >= 0, got {ts!r}")
+    n_in = _int(_field(obj, "input_length", where), "input_length", where)
+    n_out = _int(obj.get("output_length", 0), "output_length", where)
+    ids = _field(obj, "hash_ids", where)
+    if not isinstance(ids, list) or not all(
+        isinstance(h, int) and not isinstance(h, bool) for h in ids
+    ):
+        raise InputError(f"{where}: field 'hash_ids' must be a list of integers")
+    return Request(float(ts) / 1000.0, n_in, n_out, tuple(ids))
 
 
 @dataclass(frozen=True, slots=True)

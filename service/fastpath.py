@@ -3,7 +3,7 @@
 FastAPI's dependency solving and validation cost about a millisecond of CPU per
 request on a loaded 2-core host, more than moving a 256 KiB value. This layer answers
 well-formed ``GET``/``PUT /v1/chunks/{32 hex}`` requests with a valid token itself,
-calling the same :class:`~kvtier.service.app.Daemon` methods as the FastAPI routes.
+calling the same :class:`~kvtier.service.daemon.Daemon` methods as the FastAPI routes.
 Anything else (a bad key, a missing token, a chunked upload, a body over the limit)
 falls through untouched to the FastAPI routes, which own the documented errors and the
 OpenAPI document. The fast path never reads a body it then passes on.
@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-if TYPE_CHECKING:
-    from .app import Daemon
+from .daemon import Daemon
 
 _CHUNK_PATH = re.compile(r"/v1/chunks/([0-9a-fA-F]{32})")
 OCTET = b"application/octet-stream"

@@ -1,14 +1,29 @@
 """JSON bodies of the daemon's API v1 (pydantic models; they make the OpenAPI document).
 
+The stats and limits models are *derived* from the frozen dataclasses that hold the
+facts (:class:`~kvtier.store.types.StoreStats`, :class:`~kvtier.tiers.base.TierStats`,
+:class:`~kvtier.service.limits.Limits`, :attr:`TenantCounters.NAMES
+<kvtier.service.metrics.TenantCounters.NAMES>`), field for field, when this module is
+imported: a counter added to the core appears in ``/v1/stats`` and the OpenAPI document
+with no edit here, and cannot turn the strict response models into a 500.
+
 Binary bodies (single values and the batch format of :mod:`kvtier.service.wire`) are
 described in the OpenAPI document by the routes themselves.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+import dataclasses
+import typing
+from typing import TYPE_CHECKING, Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, create_model
+
+from kvtier.store.types import StoreStats
+from kvtier.tiers.base import TierStats
+
+from .limits import Limits
+from .metrics import TenantCounters
 
 KEY_PATTERN = r"^[0-9a-fA-F]{32}$"
 """A chunk key: 16 bytes as 32 hex digits (``kvtier.keys.parse_key``)."""
@@ -49,7 +64,7 @@ class DeleteResponse(Strict):
 
 
 class ErrorResponse(Strict):
-    """Every 4xx (and the rare 503) carries this body."""
+    """Every 4xx (and the 503s a client may retry) carries this body."""
 
     code: str = Field(..., description="Machine-readable problem, e.g. bad_key, body_too_large.")
     message: str = Field(..., description="What was wrong, and what is allowed.")
@@ -59,69 +74,101 @@ class StatusResponse(Strict):
     status: str
 
 
-class TierStatsModel(Strict):
-    name: str
-    kind: str
-    capacity_bytes: int
-    used_bytes: int
-    slot_bytes: int
-    allocated_extents: int
-    external_fragmentation: float
-    bytes_written: int
-    bytes_read: int
-    write_ops: int
-    read_ops: int
-    emulated: bool
-    media_bytes_written: int = Field(
-        0, description="Bytes that reached the medium (codec, padding, journal included)."
+# -- models derived from the core's dataclasses --------------------------------------------
+
+# Descriptions of derived fields whose name does not say enough.
+_DOCS = {
+    "media_bytes_written": "Bytes that reached the medium (codec, padding, journal included).",
+    "adopted_chunks": "Chunks found in a shared tier (stored by another process) and indexed.",
+    "tier_hits": "Chunks served, by tier name.",
+}
+
+
+def _json_type(hint: Any, nested: dict[type, type[BaseModel]]) -> Any:
+    """The JSON-side type of a dataclass field: tuples become lists, pairs become maps."""
+    origin = typing.get_origin(hint)
+    if hint in nested:
+        return nested[hint]
+    if origin is tuple:
+        args = typing.get_args(hint)
+        item = args[0]
+        if typing.get_origin(item) is tuple and len(typing.get_args(item)) == 2:
+            k, v = typing.get_args(item)
+            return dict[_json_type(k, nested), _json_type(v, nested)]  # type: ignore[misc]
+        return list[_json_type(item, nested)]  # type: ignore[misc]
+    return hint
+
+
+def model_of(
+    cls: type[Any],
+    name: str,
+    doc: str,
+    nested: dict[type, type[BaseModel]] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> type[BaseModel]:
+    """A strict pydantic model with one field per field of dataclass ``cls``.
+
+    ``nested`` maps dataclasses inside ``cls`` to their models; ``extra`` adds fields
+    (name -> (type, default)) in front.
+    """
+    nested = nested or {}
+    hints = typing.get_type_hints(cls)
+    fields: dict[str, Any] = dict(extra or {})
+    for f in dataclasses.fields(cls):
+        default: Any = ...
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        fields[f.name] = (
+            _json_type(hints[f.name], nested),
+            Field(default, description=_DOCS.get(f.name)),
+        )
+    model: type[BaseModel] = create_model(name, __base__=Strict, __doc__=doc, **fields)
+    return model
+
+
+def as_json(value: Any) -> Any:
+    """A dataclass value in the shape of its derived model, field types guiding the way."""
+    hints = typing.get_type_hints(type(value))
+    return {
+        f.name: _convert(getattr(value, f.name), hints[f.name]) for f in dataclasses.fields(value)
+    }
+
+
+def _convert(value: Any, hint: Any) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return as_json(value)
+    if typing.get_origin(hint) is tuple:
+        item = typing.get_args(hint)[0]
+        if typing.get_origin(item) is tuple and len(typing.get_args(item)) == 2:
+            _, v = typing.get_args(item)
+            return {k: _convert(x, v) for k, x in value}
+        return [_convert(x, item) for x in value]
+    return value
+
+
+if TYPE_CHECKING:  # the models are built at import time; mypy sees their base
+    TierStatsModel = Strict
+    StoreStatsModel = Strict
+    LimitsModel = Strict
+    TenantStatsModel = Strict
+else:
+    TierStatsModel = model_of(TierStats, "TierStatsModel", "One tier's counters.")
+    StoreStatsModel = model_of(
+        StoreStats,
+        "StoreStatsModel",
+        "Store-wide counters (all tenants together).",
+        {TierStats: TierStatsModel},
     )
-
-
-class TenantStatsModel(Strict):
-    """The calling tenant's own counters."""
-
-    name: str
-    lookup_hit_chunks: int
-    lookup_miss_chunks: int
-    get_chunks: int
-    get_bytes: int
-    put_chunks: int
-    put_bytes: int
-
-
-class StoreStatsModel(Strict):
-    """Store-wide counters (all tenants together)."""
-
-    chunks: int
-    lookups: int
-    lookup_hit_chunks: int
-    lookup_miss_chunks: int
-    gets: int
-    get_chunks: int
-    get_bytes: int
-    puts: int
-    put_chunks: int
-    put_present: int
-    put_rejected: int
-    demoted_chunks: int
-    promoted_chunks: int
-    dropped_chunks: int
-    deleted_chunks: int
-    corrupt_chunks: int
-    tier_errors: int
-    adopted_chunks: int = Field(
-        0, description="Chunks found in a shared tier (stored by another process) and indexed."
+    LimitsModel = model_of(
+        Limits, "LimitsModel", "The daemon's limits, so clients can size their batches."
     )
-    tier_hits: dict[str, int]
-    tiers: list[TierStatsModel]
-
-
-class LimitsModel(Strict):
-    """The daemon's limits, so clients can size their batches."""
-
-    max_value_bytes: int
-    max_body_bytes: int
-    max_batch_keys: int
+    TenantStatsModel = create_model(
+        "TenantStatsModel",
+        __base__=Strict,
+        __doc__="The calling tenant's own counters.",
+        name=(str, ...),
+        **{n: (int, ...) for n in TenantCounters.NAMES},
+    )
 
 
 class StatsResponse(Strict):

@@ -13,7 +13,6 @@ stamped with the key itself.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,17 +22,21 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvtier.cli.console import stdout_console
 from kvtier.config import KVTierConfig
-from kvtier.factory import build_store, with_nvme_under
+from kvtier.factory import build_store
 from kvtier.keys import ChunkKey
-from kvtier.units import GiB, format_size
+from kvtier.service.server import with_nvme_under
+from kvtier.units import format_size
 
 TRACE_BLOCK_TOKENS = 512
-DEFAULT_TRACE = Path("../shared/data/mooncake/conversation_trace.jsonl")
+# A shipped trace (kvtier/data/mooncake/): a clone or an installed kvtier has it.
+DEFAULT_TRACE = "mooncake-conversation"
 _POOL_BYTES = 64 << 20
-# Unless the config has an nvme tier, the demo keeps one here (it outlives the run, so a
-# second run starts with the chunks the first one left).
-DEMO_DATA_DIR = "~/.local/share/kvtier/demo-nvme"
+# Unless the config has an nvme tier, the demo keeps one in this folder of the data
+# directory (service.data_dir: --data-dir, KVTIER_DATA_DIR); it outlives the run, so a
+# second run starts with the chunks the first one left. No data directory: memory only.
+DEMO_SUBDIR = "demo-nvme"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,24 +47,20 @@ class DemoRequest:
     input_length: int
 
 
-def load_requests(trace: Path, n: int, seed: int) -> list[DemoRequest]:
-    """The first ``n`` requests of a Mooncake trace (or synthetic ones if it is absent)."""
+def load_requests(trace: str | Path, n: int) -> list[DemoRequest]:
+    """The first ``n`` requests of a Mooncake trace (a shipped name or a file).
+
+    Raises:
+        InputError: the trace cannot be read or a line is malformed.
+    """
+    from kvtier.policies.trace import load_trace
+
+    tr = load_trace(trace, limit=n)
     out: list[DemoRequest] = []
-    if trace.exists():
-        with trace.open() as f:
-            for line in f:
-                rec = json.loads(line)
-                length = int(rec["input_length"])
-                blocks = [_block_tokens(int(h)) for h in rec["hash_ids"]]
-                tokens = np.concatenate(blocks)[:length] if blocks else np.zeros(0, np.int32)
-                out.append(DemoRequest(tokens, length))
-                if len(out) == n:
-                    break
-        return out
-    rng = np.random.default_rng(seed)
-    for _ in range(n):
-        length = int(rng.integers(4096, 65536))
-        out.append(DemoRequest(rng.integers(0, 128000, size=length, dtype=np.int32), length))
+    for r in tr.requests:
+        blocks = [_block_tokens(int(h)) for h in r.blocks]
+        tokens = np.concatenate(blocks)[: r.input_tokens] if blocks else np.zeros(0, np.int32)
+        out.append(DemoRequest(tokens, r.input_tokens))
     return out
 
 
@@ -86,21 +85,23 @@ class ChunkBytes:
         out[:16] = np.frombuffer(key, dtype=np.uint8)
 
 
-def run_demo(cfg: KVTierConfig, *, sequences: int, trace: Path | None, seed: int) -> bool:
+def run_demo(
+    cfg: KVTierConfig, *, sequences: int, trace: str | Path | None, seed: int
+) -> bool:
     """Run the demo; True when every loaded byte verified."""
-    console = Console()
+    console = stdout_console()
+    trace_spec = trace or DEFAULT_TRACE
+    reqs = load_requests(trace_spec, sequences)  # a bad trace fails before any allocation
     # The seed picks the demo's KV bytes, so it is part of the key namespace: a persistent
     # tier holding another seed's chunks must miss, not fail verification.
-    cfg = with_nvme_under(cfg, Path(DEMO_DATA_DIR).expanduser(), 8 * GiB)
+    if cfg.service.data_dir:
+        where = Path(cfg.service.data_dir).expanduser() / DEMO_SUBDIR
+        cfg = with_nvme_under(cfg, where, cfg.service.data_capacity_bytes)
     built = build_store(cfg, tenant=f"kvtier-demo-seed-{seed}")
     store, spec, hasher = built.store, built.spec, built.hasher
     chunk_tokens = cfg.store.chunk_tokens
     chunk_bytes = spec.chunk_bytes(chunk_tokens)
-    trace_path = trace or DEFAULT_TRACE
-    reqs = load_requests(trace_path, sequences, seed)
-    source = (
-        f"{trace_path} (first {len(reqs)} requests)" if trace_path.exists() else "synthetic lengths"
-    )
+    source = f"{trace_spec} (first {len(reqs)} requests)"
     console.print(
         f"[bold]kvtier demo[/bold]: model {cfg.model.name} ({format_size(spec.bytes_per_token)}/token, "
         f"{format_size(chunk_bytes)}/chunk of {chunk_tokens} tokens), tiers "

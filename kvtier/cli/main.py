@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from kvtier.cli.console import print_error
 from kvtier.errors import KVTierError
 
 app = typer.Typer(
@@ -23,6 +24,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain click help: typer's rich help labels --help with a stray "<bool>".
+    rich_markup_mode=None,
 )
 console = Console(stderr=True)
 
@@ -34,6 +37,19 @@ SetOpt = Annotated[
     Optional[list[str]],  # noqa: UP045
     typer.Option("--set", help="Override one setting: --set store.chunk_tokens=512 (repeatable)."),
 ]
+DataDirOpt = Annotated[
+    Optional[str],  # noqa: UP045 - str: a Path would turn "" (memory only) into "."
+    typer.Option(
+        "--data-dir",
+        help="Where the persistent (nvme) tier and the key salt live; also KVTIER_DATA_DIR. "
+        "Default ~/.local/share/kvtier; empty string: memory tiers only.",
+    ),
+]
+
+
+def _data_dir_override(data_dir: str | None) -> list[str]:
+    # --data-dir is service.data_dir, applied last (after KVTIER_DATA_DIR and the file).
+    return [] if data_dir is None else [f"service.data_dir={data_dir}"]
 
 
 def _setup_logging(level: str = "INFO") -> None:
@@ -80,16 +96,20 @@ def demo(
     set_: SetOpt = None,
     sequences: Annotated[int, typer.Option(help="Requests to replay from the trace.")] = 12,
     trace: Annotated[
-        Optional[Path],  # noqa: UP045
-        typer.Option(help="Mooncake trace for context lengths (default: ../shared/data/mooncake)."),
+        Optional[str],  # noqa: UP045
+        typer.Option(
+            help="Trace for context lengths and prefix reuse: mooncake-conversation (default), "
+            "mooncake-synthetic, or a Mooncake-format .jsonl[.gz] file."
+        ),
     ] = None,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    data_dir: DataDirOpt = None,
 ) -> None:
     """Store and reload a long-context workload through the default store, verifying every byte."""
     from kvtier.cli.demo import run_demo
     from kvtier.config import load_config
 
-    cfg = load_config(config, overrides=tuple(set_ or ()))
+    cfg = load_config(config, overrides=(*(set_ or ()), *_data_dir_override(data_dir)))
     _setup_logging(cfg.log_level)
     ok = run_demo(cfg, sequences=sequences, trace=trace, seed=seed)
     raise typer.Exit(0 if ok else 1)
@@ -107,10 +127,7 @@ def serve(
         Optional[int],  # noqa: UP045
         typer.Option(help="TCP port (default 8470)."),
     ] = None,
-    data_dir: Annotated[
-        Optional[Path],  # noqa: UP045
-        typer.Option(help="Keep an nvme tier and the key salt here: the cache outlives restarts."),
-    ] = None,
+    data_dir: DataDirOpt = None,
 ) -> None:
     """Run the cache daemon: the tiered store over REST (see docs/operations.md)."""
     from kvtier.config import load_config
@@ -120,16 +137,13 @@ def serve(
         overrides.append(f"service.host={host}")
     if port is not None:
         overrides.append(f"service.port={port}")
-    if data_dir is not None:
-        overrides.append(f"service.data_dir={data_dir}")
+    overrides += _data_dir_override(data_dir)
     cfg = load_config(config, overrides=tuple(overrides))
     _setup_logging(cfg.log_level)
     try:
         from kvtier.service.server import serve as run_server
     except ImportError as exc:
-        console.print(
-            f"[red]error:[/red] the daemon needs the service extra: pip install 'kvtier[service]' ({exc})"
-        )
+        print_error(console, f"the daemon needs the service extra: pip install 'kvtier[service]' ({exc})")
         raise typer.Exit(2) from None
     run_server(cfg)
 
@@ -144,21 +158,27 @@ def bench(
         Path | None, typer.Option("--json", help="Write results as JSON.")
     ] = None,
 ) -> None:
-    """Run a benchmark from kvtier.bench; extra arguments go to the benchmark."""
-    module_name = name.replace("-", "_")
-    try:
-        module = importlib.import_module(f"kvtier.bench.{module_name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"kvtier.bench.{module_name}":
-            raise
-        from kvtier.bench import available
+    """Run a benchmark from kvtier.bench; extra arguments go to the benchmark.
 
-        console.print(f"[red]no benchmark {name!r}[/red]; available: {', '.join(available())}")
-        raise typer.Exit(2) from None
+    ``kvtier bench NAME --help`` shows the benchmark's own options.
+    """
     argv = list(ctx.args)
     if json_out is not None:
         argv += ["--json", str(json_out)]
-    raise typer.Exit(module.main(argv))
+    raise typer.Exit(run_bench(name, argv))
+
+
+def run_bench(name: str, argv: list[str]) -> int:
+    """Run benchmark ``name`` with its own arguments; its exit status (2: no such benchmark)."""
+    from kvtier.bench import available
+
+    module_name = name.replace("-", "_")
+    if module_name not in available():
+        print_error(console, f"no benchmark {name!r}; available: {', '.join(available())}")
+        return 2
+    module = importlib.import_module(f"kvtier.bench.{module_name}")
+    status: int = module.main(argv)
+    return status
 
 
 def _register_calc() -> None:
@@ -173,10 +193,15 @@ _register_calc()
 
 def main() -> None:
     """Entry point: turn kvtier errors into one clear line and exit status 2."""
+    argv = sys.argv[1:]
     try:
+        if len(argv) >= 2 and argv[0] == "bench" and not argv[1].startswith("-"):
+            # A benchmark parses its own options, --help included (typer would answer
+            # --help with this command's help instead).
+            sys.exit(run_bench(argv[1], argv[2:]))
         app()
     except KVTierError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        print_error(console, str(exc))
         sys.exit(2)
 
 

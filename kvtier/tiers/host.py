@@ -5,17 +5,13 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 from typing_extensions import override
 
-from kvtier.config import Switch
-from kvtier.tiers.base import SlotRun, Tier, TierProfile
+from kvtier.enums import Switch
+from kvtier.tiers.base import SlotRun, Tier, TierProfile, TierSection
 from kvtier.tiers.memory import SharedArena
-
-if TYPE_CHECKING:
-    from kvtier.config import TierSection
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +22,9 @@ class Options:
     numa_node: int | None = None
     # Page-lock the arena with cudaHostRegister: auto (when CUDA is present), on, off.
     pin: Switch = Switch.AUTO
-    # Fault every page in at start-up, so first writes run at memcpy speed.
-    prefault: bool = True
+    # Fault every page in at start-up, so first writes run at memcpy speed. Off by
+    # default: the arena then takes memory as it fills, not all of it at start.
+    prefault: bool = False
     # Threads that share one large copy (>= 4 MiB); 1 copies on the calling I/O thread only.
     copy_threads: int = 1
 

@@ -3,8 +3,6 @@ store that moves real bytes."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from kvtier.errors import InputError
@@ -14,7 +12,6 @@ from kvtier.policies.simulate import SimConfig, simulate
 from kvtier.policies.trace import load_trace
 from kvtier.policies.validate import validate
 
-TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "mooncake"
 HW = hardware_preset("h200-dram-nvme")
 MODEL = model_compute("llama-3-8b")
 CHUNK = MODEL.kv.chunk_bytes(512)
@@ -35,9 +32,9 @@ def ideal_hit_rate(trace) -> float:
     return hits / total
 
 
-@pytest.fixture(scope="module", params=["conversation_trace", "synthetic_trace"])
+@pytest.fixture(scope="module", params=["mooncake-conversation", "mooncake-synthetic"])
 def trace(request: pytest.FixtureRequest):
-    return load_trace(TRACES / f"{request.param}.jsonl", limit=400)
+    return load_trace(request.param, limit=400)
 
 
 def test_results_are_consistent_and_deterministic(trace) -> None:
@@ -79,7 +76,7 @@ def test_impossible_configurations_are_refused(trace) -> None:
 
 
 def test_simulator_matches_a_store_with_real_bytes() -> None:
-    tr = load_trace(TRACES / "conversation_trace.jsonl", limit=250)
+    tr = load_trace("mooncake-conversation", limit=250)
     for policy in ("lru-write-through", "kvtier"):
         v = validate(SimConfig(MODEL, HW, (400 * CHUNK, 1500 * CHUNK), policy=policy), tr,
                      value_bytes=4096)

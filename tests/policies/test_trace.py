@@ -9,11 +9,9 @@ import pytest
 from kvtier.errors import InputError
 from kvtier.policies.trace import SyntheticWorkload, load_trace
 
-TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "mooncake"
-
 
 def test_reads_the_conversation_trace_head() -> None:
-    tr = load_trace(TRACES / "conversation_trace.jsonl", limit=50)
+    tr = load_trace("mooncake-conversation", limit=50)
     assert len(tr.requests) == 50
     r = tr.requests[0]
     assert r.t_s == 0.0 and len(r.blocks) == -(-r.input_tokens // 512)

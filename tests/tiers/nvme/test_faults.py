@@ -217,8 +217,15 @@ def test_real_enospc_on_a_full_filesystem(make_store, small_fs: Path, caplog) ->
 
 
 def test_slab_that_does_not_fit_is_a_config_error(small_fs: Path) -> None:
+    """With ``preallocate = true``; growing slabs are tests/tiers/nvme/test_growth.py."""
     from kvtier.tiers.nvme import EngineKind, Options
     from kvtier.tiers.nvme.tier import NVMeTier
 
     with pytest.raises(ConfigError, match="fits"):
-        NVMeTier("nv", 4 << 20, SLOT, 1 << 30, Options(dir=str(small_fs), engine=EngineKind.POSIX))
+        NVMeTier(
+            "nv",
+            4 << 20,
+            SLOT,
+            1 << 30,
+            Options(dir=str(small_fs), engine=EngineKind.POSIX, preallocate=True),
+        )

@@ -1,0 +1,111 @@
+"""The daemon's state, apart from its routes: the store, tenants, limits and counters.
+
+:class:`Daemon` holds what every route and the fast path (:mod:`kvtier.service.fastpath`)
+share, and the logic both paths run (map a tenant's key, put one value, get one value).
+It imports nothing of the web framework, so the routes and the fast path both import it
+and not each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+
+from kvtier.config import KVTierConfig
+from kvtier.errors import ConfigError
+from kvtier.factory import Built
+from kvtier.keys import ChunkKey
+from kvtier.store.store import TieredStore
+from kvtier.store.types import PutResult
+
+from . import wire
+from .errors import ApiError
+from .limits import Limits
+from .metrics import RequestMetrics, TenantCounters
+from .schemas import KEY_PATTERN
+from .tenants import Authenticator, KeyMapper, Tenant, load_or_create_salt
+
+log = logging.getLogger(__name__)
+
+_KEY_RE = re.compile(KEY_PATTERN)
+
+
+class Daemon:
+    """What the routes share: the store, tenants, limits and counters.
+
+    Args:
+        built: the store (owned: closed on shutdown) and its spec.
+        cfg: the configuration (its ``service`` section).
+
+    Raises:
+        ConfigError: limits that contradict each other.
+    """
+
+    def __init__(self, built: Built, cfg: KVTierConfig) -> None:
+        s = cfg.service
+        self.store: TieredStore = built.store
+        max_value = s.max_value_bytes or built.spec.chunk_bytes(cfg.store.chunk_tokens)
+        max_value = min(max_value, self.store.slot_bytes)
+        if s.max_body_bytes < max_value + wire.table_bytes(1):
+            raise ConfigError(
+                "service.max_body_bytes",
+                s.max_body_bytes,
+                f"at least one value plus its batch header ({max_value + wire.table_bytes(1)} B)",
+            )
+        self.limits = Limits(max_value, s.max_body_bytes, s.max_batch_keys)
+        self.auth = Authenticator(s.tokens)
+        salt = s.key_salt
+        if not salt and s.data_dir:
+            salt = load_or_create_salt(Path(s.data_dir).expanduser() / "key_salt")
+        self.mapper = KeyMapper(salt)
+        self.metrics = RequestMetrics()
+        self.tenants = TenantCounters()
+        self.ready = False
+        if self.mapper.random_salt and self.store.stats().chunks:
+            log.warning(
+                "service.key_salt is empty: the %d chunks recovered at start-up are unreachable",
+                self.store.stats().chunks,
+            )
+
+    def keys(self, tenant: Tenant, hex_keys: list[str]) -> list[ChunkKey]:
+        """The store keys of a tenant's batch of (validated) hex keys."""
+        if len(hex_keys) > self.limits.max_batch_keys:
+            raise ApiError(
+                413,
+                "batch_too_large",
+                f"{len(hex_keys)} keys; the limit is {self.limits.max_batch_keys} "
+                "(service.max_batch_keys)",
+            )
+        out: list[ChunkKey] = self.mapper.map(
+            tenant, (ChunkKey(bytes.fromhex(k)) for k in hex_keys)
+        )
+        return out
+
+    def key(self, tenant: Tenant, hex_key: str) -> ChunkKey:
+        """The store key of one of a tenant's keys."""
+        if not _KEY_RE.match(hex_key):  # routes validate too; this guards direct callers
+            raise ApiError(400, "bad_key", f"key {hex_key[:40]!r} is not 32 hex digits")
+        (out,) = self.mapper.map(tenant, (ChunkKey(bytes.fromhex(hex_key)),))
+        return ChunkKey(out)
+
+    async def put_value(self, t: Tenant, hex_key: str, value: bytes | memoryview) -> PutResult:
+        """Store one value for tenant ``t`` (the shared logic of both PUT paths)."""
+        if not len(value):
+            raise ApiError(400, "empty_value", "a value of 0 bytes cannot be stored")
+        res: PutResult = await asyncio.wrap_future(self.store.put([self.key(t, hex_key)], value))
+        self.tenants.add(t.name, put_chunks=res.stored, put_bytes=len(value) * res.stored)
+        return res
+
+    async def get_value(self, t: Tenant, hex_key: str) -> memoryview | None:
+        """One value for tenant ``t``, or None (the shared logic of both GET paths)."""
+        buf = np.empty(self.limits.max_value_bytes, dtype=np.uint8)
+        res = await asyncio.wrap_future(self.store.get([self.key(t, hex_key)], buf))
+        if not res.chunks:
+            self.tenants.add(t.name, lookup_miss_chunks=1)
+            return None
+        self.tenants.add(t.name, get_chunks=1, get_bytes=res.nbytes)
+        return buf.data[: res.nbytes]

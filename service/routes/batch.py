@@ -1,0 +1,106 @@
+"""Batches: lookup, batch get and batch put (the KVTB body format of :mod:`..wire`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from kvtier.errors import InputError
+from kvtier.keys import ChunkKey
+from kvtier.store.types import PutResult
+
+from .. import wire
+from ..daemon import Daemon
+from ..errors import ApiError
+from ..guards import read_body
+from ..schemas import KeysRequest, LookupResponse, PutResponse
+from .common import BINARY_BODY, OCTET, TenantDep, put_response
+
+
+async def _wait(fut: Any) -> Any:
+    return await asyncio.wrap_future(fut)
+
+
+def router(d: Daemon) -> APIRouter:
+    api = APIRouter(tags=["batch"])
+
+    @api.post(
+        "/v1/lookup",
+        summary="Length of the leading run of present keys, and the tier of each hit.",
+    )
+    async def lookup(req: KeysRequest, t: TenantDep) -> LookupResponse:
+        res = d.store.lookup(d.keys(t, req.keys))
+        d.tenants.add(
+            t.name, lookup_hit_chunks=res.hits, lookup_miss_chunks=len(req.keys) - res.hits
+        )
+        return LookupResponse(hits=res.hits, tiers=list(res.tiers))
+
+    @api.post(
+        "/v1/batch/get",
+        summary="Read the leading run of present keys as one batch body (see the description).",
+        response_class=Response,
+        responses={
+            200: {"description": "A batch body (KVTB format) of the leading hits.", **BINARY_BODY}
+        },
+    )
+    async def batch_get(req: KeysRequest, t: TenantDep) -> Response:
+        ikeys = d.keys(t, req.keys)
+        hits = d.store.lookup(ikeys).hits
+        lim = d.limits
+        # The response is capped at max_body_bytes; the TRUNCATED flag says more may follow.
+        fit = max(1, (lim.max_body_bytes - wire.table_bytes(hits)) // lim.max_value_bytes)
+        n = min(hits, fit)
+        start = wire.table_bytes(n)
+        buf = np.empty(start + n * lim.max_value_bytes, dtype=np.uint8)
+        view = buf.data
+        if n:
+            res = await _wait(d.store.get(ikeys[:n], view[start:]))
+            chunks, nbytes, lengths = res.chunks, res.nbytes, res.value_bytes
+        else:
+            chunks, nbytes, lengths = 0, 0, ()
+        # Keys evicted between lookup and get shorten the run; the table then has gaps
+        # before the payload, which payload_offset allows.
+        flags = wire.FLAG_TRUNCATED if chunks == n < hits else 0
+        wire.write_header(view, chunks, start, flags)
+        wire.write_table(view, [ChunkKey(bytes.fromhex(k)) for k in req.keys[:chunks]], lengths)
+        d.tenants.add(
+            t.name,
+            get_chunks=chunks,
+            get_bytes=nbytes,
+            lookup_hit_chunks=chunks,
+            lookup_miss_chunks=len(req.keys) - chunks,
+        )
+        return Response(view[: start + nbytes], media_type=OCTET)
+
+    @api.post(
+        "/v1/batch/put",
+        summary="Store many values sent as one batch body (see the description).",
+        openapi_extra={"requestBody": {"required": True, **BINARY_BODY}},
+    )
+    async def batch_put(request: Request, t: TenantDep) -> PutResponse:
+        body = await read_body(request, d.limits.max_body_bytes, "batch body")
+        try:
+            batch = wire.parse(
+                body, max_count=d.limits.max_batch_keys, max_value_bytes=d.limits.max_value_bytes
+            )
+        except InputError as exc:
+            raise ApiError(400, "bad_batch", str(exc)) from None
+        if len(set(batch.keys)) != len(batch.keys):
+            raise ApiError(400, "duplicate_key", "a batch names the same key twice")
+        ikeys = d.mapper.map(t, batch.keys)
+        runs = wire.runs(batch)
+        futs: list[Awaitable[PutResult]] = [
+            _wait(d.store.put(ikeys[r.start : r.start + r.count], r.data)) for r in runs
+        ]
+        results = list(await asyncio.gather(*futs))
+        stored_bytes = sum(res.stored * r.value_bytes for res, r in zip(results, runs, strict=True))
+        out = put_response(results)
+        d.tenants.add(t.name, put_chunks=out.stored, put_bytes=stored_bytes)
+        return out
+
+    return api
