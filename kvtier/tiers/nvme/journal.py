@@ -8,7 +8,14 @@ On disk, in the tier's first directory (``docs/architecture.md``, "NVMe tier")::
 Both use one 64-byte header and one 64-byte record format; every header and record
 carries its own xxh3_64, so a torn or flipped record is skipped alone (a miss), never
 misread. Records hold a strictly increasing sequence number: replay ignores a record
-whose sequence does not increase (stale bytes past the end of a failed append).
+whose sequence does not increase (stale bytes past the end of a failed append), and when
+two live records name one key (a DEL that never reached the disk, then a new PUT of the
+key in another slot), the higher sequence wins, never the lower slot. Checkpoint
+records keep the sequence of the PUT they copy.
+
+A damaged checkpoint *header* does not drop its records: each record is sealed on its
+own, and the journal of the same generation (whose header repeats the generation and
+the geometry) vouches for them; the slabs' checksums then verify every chunk.
 
 Commit: writers append records to an in-memory batch and get a :class:`Ticket`. One
 commit thread takes the whole batch, ``fdatasync``s the slab files (the data must be
@@ -16,6 +23,12 @@ durable before the record that points at it), writes the records with one ``pwri
 and ``fdatasync``s the journal. Writers waiting on a ticket (durability ``sync``) share
 that one pair of flushes: group commit. ``batch`` commits every ``interval_s``;
 ``none`` writes records without flushing.
+
+A commit that fails (ENOSPC, EIO) never drops records silently. Its ticket carries the
+error to every waiter; the records of waiters that asked to fail fast (``sync`` PUTs,
+whose writers are told the put failed) are dropped, and every other record (DELs,
+PUTs already acknowledged under ``batch``/``none``) goes back to the head of the queue,
+in sequence order, and is retried with a backoff until a commit succeeds.
 
 Compaction: when the journal holds more than twice the live records (and at least
 ``checkpoint_min_records``), the commit thread writes ``checkpoint.<gen+1>`` from its
@@ -91,6 +104,8 @@ class Entry(NamedTuple):
     checksum: int
     stored_bytes: int
     codec: int = 0
+    seq: int = 0
+    """The sequence of the PUT record that stored it (0 until the journal assigns one)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +173,8 @@ class ReplayStats:
     stale_records: int = 0
     torn_tail_bytes: int = 0
     out_of_range: int = 0
+    superseded: int = 0
+    """Live records of a key that a later PUT of the same key (in another slot) replaced."""
 
 
 RECORD_DTYPE = np.dtype(
@@ -179,7 +196,7 @@ assert RECORD_DTYPE.itemsize == RECORD_BYTES
 
 
 def pack_puts(entries: list[Entry]) -> bytes:
-    """PUT records (sequence 0) of many entries at once: a checkpoint's body."""
+    """PUT records of many entries at once (each with its own sequence): a checkpoint's body."""
     arr = np.zeros(len(entries), dtype=RECORD_DTYPE)
     if not entries:
         return b""
@@ -188,6 +205,7 @@ def pack_puts(entries: list[Entry]) -> bytes:
     arr["codec"] = [e.codec for e in entries]
     arr["value"] = [e.value_bytes for e in entries]
     arr["slot"] = [e.slot for e in entries]
+    arr["seq"] = [e.seq for e in entries]
     arr["key"] = [e.key for e in entries]
     arr["sum"] = [e.checksum for e in entries]
     arr["stored"] = [e.stored_bytes for e in entries]
@@ -259,19 +277,38 @@ def replay(
         recs["sum"].tolist(),
         recs["stored"].tolist(),
         recs["codec"].tolist(),
+        recs["seq"].tolist(),
         strict=True,
     )
     put = int(Op.PUT)  # plain ints: IntEnum comparisons cost 10x in this loop
-    for op, slot, key, value, checksum, stored, codec in cols:
+    for op, slot, key, value, checksum, stored, codec, seq in cols:
         if op == put:
             # A later PUT to the same slot supersedes an earlier one (the slot was reused
             # even if the DEL between them was lost).
-            index[slot] = Entry(slot, ChunkKey(key), value, checksum, stored, codec)
+            index[slot] = Entry(slot, ChunkKey(key), value, checksum, stored, codec, seq)
         else:
             old = index.get(slot)
             if old is not None and old.key == key:
                 del index[slot]
     return last_seq
+
+
+def newest_per_key(index: dict[int, Entry], st: ReplayStats) -> dict[int, Entry]:
+    """``index`` with one entry per key: the one with the highest sequence.
+
+    Two live entries name one key when the DEL of its old slot never reached the disk
+    and the key was stored again in another slot: the newer PUT holds the current value
+    (issue 11: the lower slot used to win and served the old value after a restart).
+    """
+    best: dict[bytes, Entry] = {}
+    for e in index.values():
+        old = best.get(e.key)
+        if old is None or e.seq > old.seq:
+            best[e.key] = e
+    if len(best) == len(index):
+        return index
+    st.superseded += len(index) - len(best)
+    return {e.slot: e for e in best.values()}
 
 
 def fsync_dir(path: Path) -> None:
@@ -315,8 +352,16 @@ def load(directory: Path, geo: Geometry) -> LoadResult:
             continue
         head = parse_header(raw)
         if head is None or head.kind != KIND_CHECKPOINT or head.gen != gen:
-            log.warning("nvme: %s has a damaged header; trying an older generation", path)
-            continue
+            head = _journal_witness(directory, gen)
+            if head is None:
+                log.warning("nvme: %s has a damaged header; trying an older generation", path)
+                continue
+            log.warning(
+                "nvme: %s has a damaged header; its records are kept on the word of"
+                " journal.%d (each record is sealed, each chunk verified)",
+                path,
+                gen,
+            )
         if head.geometry != geo:
             log.warning(
                 "nvme: index in %s was written for %s, the tier now has %s: starting empty",
@@ -342,8 +387,26 @@ def load(directory: Path, geo: Geometry) -> LoadResult:
             st.bad_records += max(0, len(jraw) // RECORD_BYTES - 1)
         elif jraw:
             last = replay(jraw[RECORD_BYTES:], index, last, geo, st)
+        index = newest_per_key(index, st)
         return LoadResult(index, gen, max(last + 1, head.next_seq), st)
     return LoadResult({}, 0, 1, st)
+
+
+def _journal_witness(directory: Path, gen: int) -> Header | None:
+    """The header of ``journal.<gen>``, as a stand-in for a damaged checkpoint header.
+
+    It names the same generation and geometry; its ``next_seq`` is the checkpoint's.
+    None when it is missing or damaged too.
+    """
+    try:
+        with open(directory / f"journal.{gen}", "rb") as f:
+            raw = f.read(RECORD_BYTES)
+    except OSError:
+        return None
+    head = parse_header(raw)
+    if head is None or head.kind != KIND_JOURNAL or head.gen != gen:
+        return None
+    return Header(KIND_CHECKPOINT, gen, head.next_seq, head.geometry)
 
 
 class Ticket:
@@ -400,11 +463,16 @@ class Journal:
         self.checkpoint_min_records = checkpoint_min_records
         self._sync_data = sync_data
         self._cond = threading.Condition()
+        # Queued records, their (op, entry with its sequence), and whether each is kept
+        # for a retry when its commit fails (False: its writer is told of the failure).
         self._pending: list[bytes] = []
         self._pending_ops: list[tuple[Op, Entry]] = []
+        self._pending_keep: list[bool] = []
         self._pending_last = 0
-        self._first_at = 0.0
+        self._due_at = 0.0
         self._pending_puts = 0
+        self._fresh = 0  # records queued since the last commit attempt
+        self._retry_s = 0.0
         self._unsynced_data = False
         self._ticket = Ticket()
         self._flush_asked = 0
@@ -421,6 +489,8 @@ class Journal:
         self.commits = 0
         self.checkpoints = 0
         self.failed_commits = 0
+        self.retried_records = 0
+        self.lost_records = 0
         self.last_error: OSError | None = None
 
     # -- start-up ------------------------------------------------------------------------
@@ -497,22 +567,29 @@ class Journal:
 
     # -- appending -----------------------------------------------------------------------
 
-    def append(self, ops: list[tuple[Op, Entry]]) -> Ticket:
-        """Queue records; returns the ticket of the commit that carries them. No I/O."""
+    def append(self, ops: list[tuple[Op, Entry]], *, fail_fast: bool = False) -> Ticket:
+        """Queue records; returns the ticket of the commit that carries them. No I/O.
+
+        ``fail_fast``: the caller waits on the ticket and undoes its operation when the
+        commit fails, so the records are dropped then; otherwise they are retried.
+        """
         with self._cond:
             first = not self._pending
             for op, e in ops:
+                e = e._replace(seq=self._seq)
                 self._pending.append(pack_record(op, self._seq, e))
                 self._pending_ops.append((op, e))
+                self._pending_keep.append(not fail_fast)
                 self._seq += 1
                 if op is Op.PUT:
                     self._pending_puts += 1
+            self._fresh += len(ops)
             self._pending_last = self._seq - 1
             ticket = self._ticket
             if first:
                 # The batch window opens with its first record (batch mode commits it
                 # within interval_s of now); other modes commit at once.
-                self._first_at = time.monotonic()
+                self._due_at = time.monotonic() + self.interval_s
                 self._cond.notify_all()
             elif self._urgent():
                 self._cond.notify_all()
@@ -526,7 +603,7 @@ class Journal:
         eviction storms do not cost two flushes per victim.
         """
         if self.durability is Durability.NONE:
-            return True
+            return self._fresh > 0  # records waiting for a retry alone wait for their backoff
         return self.durability is Durability.SYNC and self._pending_puts > 0
 
     def flush(self) -> None:
@@ -574,7 +651,7 @@ class Journal:
                     if self._pending:
                         if self._urgent() or self._closing:
                             break
-                        left = self._first_at + self.interval_s - time.monotonic()
+                        left = self._due_at - time.monotonic()
                         if left <= 0:
                             break
                         self._cond.wait(left)
@@ -584,16 +661,51 @@ class Journal:
                     return
                 durable = self.durability is not Durability.NONE or self._flush_asked > 0
                 self._flush_asked = 0
-                batch, ops, ticket = self._pending, self._pending_ops, self._ticket
-                last = self._pending_last
-                self._pending, self._pending_ops, self._ticket = [], [], Ticket()
-                self._pending_puts = 0
+                batch, ops, keep = self._pending, self._pending_ops, self._pending_keep
+                ticket, last = self._ticket, self._pending_last
+                self._pending, self._pending_ops, self._pending_keep = [], [], []
+                self._ticket = Ticket()
+                self._pending_puts = self._fresh = 0
+                closing = self._closing
             try:
                 error = self._commit(batch, ops, durable, last)
             except Exception as exc:  # a bug here must not leave sync writers waiting forever
                 log.exception("nvme: journal commit thread failed")
                 error = OSError(f"journal commit failed: {exc!r}")
+            if error is None:
+                self._retry_s = 0.0
+            else:
+                self._requeue(batch, ops, keep, closing)
             ticket._finish(error)
+
+    def _requeue(
+        self, batch: list[bytes], ops: list[tuple[Op, Entry]], keep: list[bool], closing: bool
+    ) -> None:
+        """Put the records of a failed commit back at the head of the queue, in order.
+
+        Records whose writers learn of the failure (``fail_fast``) are dropped. While
+        closing there is no later commit: what is left is counted and logged as lost.
+        """
+        kept = [i for i, k in enumerate(keep) if k]
+        if closing:
+            if kept:
+                self.lost_records += len(kept)
+                log.error(
+                    "nvme: %d journal record(s) could not be written before close (%s);"
+                    " deletions among them are undone at the next start",
+                    len(kept),
+                    self.last_error,
+                )
+            return
+        self._retry_s = min(5.0, max(0.05, 2 * self._retry_s))
+        with self._cond:
+            self._pending[:0] = [batch[i] for i in kept]
+            self._pending_ops[:0] = [ops[i] for i in kept]
+            self._pending_keep[:0] = [True] * len(kept)
+            if self._pending:
+                self._pending_last = self._pending_ops[-1][1].seq
+                self._due_at = time.monotonic() + self._retry_s
+            self.retried_records += len(kept)
 
     def _commit(
         self, batch: list[bytes], ops: list[tuple[Op, Entry]], durable: bool, last_seq: int

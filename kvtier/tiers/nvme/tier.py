@@ -451,8 +451,10 @@ class NVMeTier(Tier):
         with self._meta_lock:
             for e in entries:
                 self._meta[e.slot] = e
-        ticket = self._journal.append([(Op.PUT, e) for e in entries])
-        if self.options.durability is Durability.SYNC:
+        sync = self.options.durability is Durability.SYNC
+        # Under sync the put fails with its commit, so its records must not be retried.
+        ticket = self._journal.append([(Op.PUT, e) for e in entries], fail_fast=sync)
+        if sync:
             try:
                 ticket.wait()
             except OSError as exc:

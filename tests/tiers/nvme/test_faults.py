@@ -216,6 +216,51 @@ def test_real_enospc_on_a_full_filesystem(make_store, small_fs: Path, caplog) ->
     assert {1, 2, 1000} <= set(seen) and all(seen.values())
 
 
+def _fill(directory: Path) -> Path:
+    """Take every byte left on the filesystem of ``directory``; returns the filler file."""
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\xff" * 4096)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    return filler
+
+
+def test_delete_on_a_full_disk_then_a_re_put_serves_the_new_value(
+    make_store, small_fs: Path
+) -> None:
+    """Issue 11, item 1: V1; full disk; DELETE (its record cannot be written); space back;
+    V2 in another slot; clean restart: V2. Before the fix the failed commit dropped the
+    DEL and recovery let the lower slot win: V1."""
+    store, _ = make_store(small_fs, cap=16 * SLOT, durability=Durability.SYNC)
+    k = key(1)
+    assert _put(store, [1]).stored == 1  # slot 0
+    assert _put(store, [2]).stored == 1  # slot 1, so a run of two cannot take slot 0
+    filler = _fill(small_fs)
+    # The journal's last page may still have room: use it up with puts and deletes.
+    for i in range(3, 400):
+        if _put(store, [i]).failed:
+            break
+        store.delete([key(i)])
+    else:
+        raise AssertionError("the journal never ran out of room")
+    assert store.delete([k]) == 1
+    store.flush()  # the DEL's commit fails: logged and counted, kept for the next commit
+    filler.unlink()
+    new = values([101, 102])
+    assert store.put([k, key(102)], new).result().stored == 2
+    store.close()
+    store, _ = make_store(small_fs, cap=16 * SLOT)
+    buf = bytearray(new.nbytes)
+    res = store.get([k], buf).result()
+    assert res.chunks == 1
+    assert bytes(buf[: res.nbytes]) == values([101]).tobytes()
+
+
 def test_slab_that_does_not_fit_is_a_config_error(small_fs: Path) -> None:
     from kvtier.tiers.nvme import EngineKind, Options
     from kvtier.tiers.nvme.tier import NVMeTier
