@@ -1,0 +1,433 @@
+"""The store's books: which chunk lives in which slot, who holds it, and what was counted.
+
+Everything here is guarded by one lock, :attr:`StoreIndex.lock`. Methods whose names end
+in ``_locked`` expect the caller to hold it; the others take it themselves. Nothing here
+moves bytes: the only calls into a tier are allocator releases and the tier's ``forget``
+hook when a slot is freed (the :class:`~kvtier.store.mover.Mover` does every transfer).
+
+A *slot* is one stored copy of a chunk; an *entry* is the index record of a chunk and
+points at its current slot. A slot whose chunk moved or was deleted is *retired*: its
+bytes stay untouched until its last reader is done, and only then is it released to its
+tier. That is what keeps a concurrent demotion, promotion or delete from ever handing a
+reader bytes that a new put has overwritten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvtier.keys import ChunkKey
+from kvtier.store.policy import EvictionFactory, EvictionPolicy
+from kvtier.store.types import StoreStats
+from kvtier.tiers.base import SlotRun, Tier
+
+log = logging.getLogger(__name__)
+
+
+class Slot:
+    """One stored copy of a chunk: where its bytes are, and who is reading them.
+
+    Mutable; guarded by the index lock. ``readers`` counts the holds of gets and movers
+    in flight; ``retired`` marks a slot the index no longer points at.
+    """
+
+    __slots__ = ("key", "offset", "readers", "retired", "tier", "value_bytes")
+
+    def __init__(self, key: ChunkKey, tier: int, offset: int, value_bytes: int) -> None:
+        self.key = key
+        self.tier = tier
+        self.offset = offset
+        self.value_bytes = value_bytes
+        self.readers = 0
+        self.retired = False
+
+
+class Entry:
+    """Index record of one chunk: its slot, its pins, and whether a mover claimed it."""
+
+    __slots__ = ("moving", "pins", "slot")
+
+    def __init__(self, slot: Slot) -> None:
+        self.slot = slot
+        self.pins = 0
+        self.moving = False
+
+
+@dataclass(slots=True)
+class Counters:
+    """The store's monotonic counters; :meth:`StoreIndex.stats` freezes them into
+    :class:`StoreStats`, whose fields of the same names they fill (a field missing on
+    either side fails the first ``stats()`` call, which every store test makes)."""
+
+    lookups: int = 0
+    lookup_hit_chunks: int = 0
+    lookup_miss_chunks: int = 0
+    gets: int = 0
+    get_chunks: int = 0
+    get_bytes: int = 0
+    puts: int = 0
+    put_chunks: int = 0
+    put_present: int = 0
+    put_rejected: int = 0
+    demoted_chunks: int = 0
+    promoted_chunks: int = 0
+    dropped_chunks: int = 0
+    deleted_chunks: int = 0
+    corrupt_chunks: int = 0
+    tier_errors: int = 0
+    adopted_chunks: int = 0
+
+
+def runs_of(slots: Sequence[Slot]) -> list[tuple[int, int, SlotRun]]:
+    """Group slots into runs of consecutive offsets of one tier and equal length.
+
+    Returns (index of the first slot, tier, run) triples, in order.
+    """
+    out: list[tuple[int, int, SlotRun]] = []
+    i = 0
+    while i < len(slots):
+        first = slots[i]
+        j = i + 1
+        while (
+            j < len(slots)
+            and slots[j].tier == first.tier
+            and slots[j].offset == first.offset + (j - i)
+            and slots[j].value_bytes == first.value_bytes
+        ):
+            j += 1
+        keys = tuple(sl.key for sl in slots[i:j])
+        out.append((i, first.tier, SlotRun(first.offset, keys, first.value_bytes)))
+        i = j
+    return out
+
+
+class StoreIndex:
+    """Entries, pins, per-tier eviction orders and counters of one store.
+
+    Args:
+        tiers: the store's tiers, top first (the index releases slots to them).
+        eviction: builds one eviction policy per tier.
+    """
+
+    def __init__(self, tiers: Sequence[Tier], eviction: EvictionFactory) -> None:
+        self.tiers = tuple(tiers)
+        # Reentrant: a make-room pass drops victims while it holds the lock, and
+        # dropping goes through the same helpers as a delete.
+        self.lock = threading.RLock()
+        self.counts = Counters()
+        self._entries: dict[ChunkKey, Entry] = {}
+        # Keys a put has claimed but not yet indexed: a second put skips them.
+        self._pending: set[ChunkKey] = set()
+        self._evict: list[EvictionPolicy] = [eviction() for _ in self.tiers]
+        self._tier_hits = [0] * len(self.tiers)
+        self._failures: dict[tuple[str, str], int] = {}
+
+    # -- queries and holds (take the lock) ------------------------------------------------
+
+    def present_run(self, keys: Sequence[ChunkKey]) -> list[Slot]:
+        """Slots of the leading ``keys`` the index holds (no hold taken)."""
+        out: list[Slot] = []
+        with self.lock:
+            for key in keys:
+                e = self._entries.get(key)
+                if e is None:
+                    break
+                out.append(e.slot)
+        return out
+
+    def hold_run(self, keys: Sequence[ChunkKey]) -> list[Slot]:
+        """Read-hold the slots of the leading present ``keys``, and mark them used.
+
+        Every slot returned must be given back through :meth:`unread`.
+        """
+        with self.lock:
+            slots: list[Slot] = []
+            for key in keys:
+                e = self._entries.get(key)
+                if e is None:
+                    break
+                e.slot.readers += 1
+                slots.append(e.slot)
+            for sl in reversed(slots):  # head most recent, as in touch()
+                self._evict[sl.tier].touch(sl.key)
+            self.counts.gets += 1
+        return slots
+
+    def unread(self, slots: Sequence[Slot]) -> None:
+        """Give back the read holds of ``slots``."""
+        with self.lock:
+            for sl in slots:
+                self.unread_locked(sl)
+
+    def pin(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
+        """Pin the present ``keys`` once each; returns those pinned."""
+        with self.lock:
+            held = [k for k in keys if k in self._entries]
+            for k in held:
+                self._entries[k].pins += 1
+        return held
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        with self.lock:
+            for key in keys:
+                e = self._entries.get(key)
+                if e is not None and e.pins:
+                    e.pins -= 1
+
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        """Mark chunks as used, last key first, so a sequence's tail is evicted before its head."""
+        with self.lock:
+            for key in reversed(keys):
+                e = self._entries.get(key)
+                if e is not None:
+                    self._evict[e.slot.tier].touch(key)
+
+    def remove(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
+        """Take ``keys`` out of the index; returns those that were present."""
+        gone: list[ChunkKey] = []
+        with self.lock:
+            for key in keys:
+                e = self._entries.get(key)
+                if e is not None:
+                    self.remove_locked(key, e)
+                    gone.append(key)
+        return gone
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- puts ----------------------------------------------------------------------------
+
+    def claim_new(self, keys: Sequence[ChunkKey]) -> list[tuple[int, ChunkKey]]:
+        """Claim the ``keys`` that are neither indexed nor being put, as (position, key).
+
+        The claimed keys stay pending until :meth:`finish_put`.
+        """
+        with self.lock:
+            fresh: list[tuple[int, ChunkKey]] = []
+            seen: set[ChunkKey] = set()
+            for i, k in enumerate(keys):
+                # A key twice in one call is stored once (the second would leak a slot).
+                if k not in self._entries and k not in self._pending and k not in seen:
+                    fresh.append((i, k))
+                    seen.add(k)
+            self._pending.update(k for _, k in fresh)
+            self.counts.puts += 1
+            self.counts.put_present += len(keys) - len(fresh)
+        return fresh
+
+    def finish_put(self, fresh: Sequence[tuple[int, ChunkKey]], stored: int, failed: int) -> None:
+        with self.lock:
+            self._pending.difference_update(k for _, k in fresh)
+            self.counts.put_chunks += stored
+            self.counts.put_rejected += len(fresh) - stored - failed
+
+    def add_written(
+        self, t: int, written: Sequence[tuple[ChunkKey, int]], value_bytes: int
+    ) -> None:
+        """Index chunks just written into tier ``t``, as (key, slot number) in sequence order."""
+        with self.lock:
+            # Newest-last in eviction order, tail first: a sequence loses its tail
+            # before its head, so what stays is still a usable prefix.
+            for key, slot_no in reversed(written):
+                self._entries[key] = Entry(Slot(key, t, slot_no, value_bytes))
+                self._evict[t].insert(key, value_bytes)
+
+    def add_adopted(
+        self,
+        t: int,
+        keys: Sequence[ChunkKey],
+        offsets: Sequence[int],
+        lengths: Sequence[int],
+        *,
+        hold: bool,
+    ) -> list[Slot]:
+        """Index chunks found in shared tier ``t`` in the slots claimed for them.
+
+        A key indexed meanwhile (by a put or another adoption) keeps its slot, and the
+        one claimed for it goes back to the tier. Returns the slots in key order,
+        read-held when ``hold``.
+        """
+        tier = self.tiers[t]
+        out: list[Slot] = []
+        new: list[ChunkKey] = []
+        with self.lock:
+            for key, offset, length in zip(keys, offsets, lengths, strict=True):
+                e = self._entries.get(key)
+                if e is None:
+                    e = self._entries[key] = Entry(Slot(key, t, offset, length))
+                    new.append(key)
+                else:
+                    tier.release(offset, 1)
+                if hold:
+                    e.slot.readers += 1
+                out.append(e.slot)
+            for key in reversed(new):  # head most recent, as in add_written
+                self._evict[t].insert(key, self._entries[key].slot.value_bytes)
+            self.counts.adopted_chunks += len(new)
+        return out
+
+    def note_hits(self, served: Sequence[Slot], nbytes: int) -> dict[int, list[ChunkKey]]:
+        """Count a get's served chunks; returns their keys by tier. Lock held by the caller."""
+        by_tier: dict[int, list[ChunkKey]] = {}
+        self.counts.get_chunks += len(served)
+        self.counts.get_bytes += nbytes
+        for sl in served:
+            self._tier_hits[sl.tier] += 1
+            by_tier.setdefault(sl.tier, []).append(sl.key)
+        return by_tier
+
+    # -- movers (lock held) ------------------------------------------------------------------
+
+    def evictable_slots(self, t: int) -> int:
+        """Free slots of tier ``t`` plus those its evictable chunks hold."""
+        with self.lock:
+            evictable = sum(
+                1
+                for e in self._entries.values()
+                if e.slot.tier == t and not (e.pins or e.moving or e.slot.readers)
+            )
+            return self.tiers[t].free_slots + evictable
+
+    def pick_victims_locked(self, t: int, deficit: int) -> list[Slot]:
+        """Claim up to ``deficit`` of tier ``t``'s coldest free chunks for a mover."""
+        keys: list[ChunkKey] = []
+        for key in self._evict[t].candidates():
+            e = self._entries.get(key)
+            if e is None or e.pins or e.moving or e.slot.readers or e.slot.tier != t:
+                continue
+            keys.append(key)
+            if len(keys) >= deficit:
+                break
+        return self.claim_movers_locked(keys, lambda e: True)
+
+    def claim_movers_locked(
+        self, keys: Sequence[ChunkKey], ok: Callable[[Entry], bool]
+    ) -> list[Slot]:
+        """Mark chunks as moving (so no other mover takes them) and read-hold their slots."""
+        out: list[Slot] = []
+        for key in keys:
+            e = self._entries.get(key)
+            if e is None or e.moving or not ok(e):
+                continue
+            e.moving = True
+            e.slot.readers += 1
+            out.append(e.slot)
+        return out
+
+    def release_movers_locked(self, slots: Sequence[Slot]) -> None:
+        """Undo :meth:`claim_movers_locked`: the chunks stay where they are."""
+        for sl in slots:
+            e = self._entries.get(sl.key)
+            if e is not None and e.slot is sl:
+                e.moving = False
+            self.unread_locked(sl)
+
+    def drop_movers_locked(self, victims: Sequence[Slot]) -> int:
+        """Release claimed victims and take them out of the index; returns how many went."""
+        self.release_movers_locked(victims)
+        dropped = 0
+        for sl in victims:
+            e = self._entries.get(sl.key)
+            if e is not None and e.slot is sl:
+                self.remove_locked(sl.key, e)
+                dropped += 1
+        self.counts.dropped_chunks += dropped
+        return dropped
+
+    def repoint_locked(self, old: Slot, new: Slot | None, *, drop: bool) -> bool:
+        """End one claimed move: point the chunk at ``new`` if it was written.
+
+        ``new`` is None when the copy failed: the chunk is then dropped when ``drop``
+        (a victim that must leave its tier), and stays where it was otherwise. Returns
+        whether the chunk moved. The caller releases ``new``'s slot when it did not.
+        """
+        e = self._entries.get(old.key)
+        current = e is not None and e.slot is old
+        moved = False
+        if e is not None and current:
+            e.moving = False
+            if new is not None:
+                self._evict[old.tier].remove(old.key)
+                e.slot = new
+                self._evict[new.tier].insert(old.key, old.value_bytes)
+                self.retire_locked(old)
+                moved = True
+            elif drop:
+                self.remove_locked(old.key, e)
+                self.counts.dropped_chunks += 1
+        self.unread_locked(old)
+        return moved
+
+    def forget_failed(self, slots: Sequence[Slot], *, corrupt: bool) -> None:
+        """Chunks whose read failed are never served again: they become misses."""
+        with self.lock:
+            for sl in slots:
+                e = self._entries.get(sl.key)
+                if e is not None and e.slot is sl:
+                    self.remove_locked(sl.key, e)
+            if corrupt:
+                self.counts.corrupt_chunks += len(slots)
+
+    def note_failure(self, tier: str, op: str) -> int:
+        """Count one tier failure; returns how many of this (tier, op) came before."""
+        with self.lock:
+            self.counts.tier_errors += 1
+            seen = self._failures.get((tier, op), 0)
+            self._failures[(tier, op)] = seen + 1
+        return seen
+
+    # -- slot lifetime (lock held) ------------------------------------------------------------
+
+    def remove_locked(self, key: ChunkKey, e: Entry) -> None:
+        """Take a chunk out of the index; its bytes go when the last reader is done."""
+        del self._entries[key]
+        self._evict[e.slot.tier].remove(key)
+        self.retire_locked(e.slot)
+
+    def retire_locked(self, sl: Slot) -> None:
+        sl.retired = True
+        if sl.readers == 0:
+            self._free_slot_locked(sl)
+
+    def unread_locked(self, sl: Slot) -> None:
+        sl.readers -= 1
+        if sl.retired and sl.readers == 0:
+            self._free_slot_locked(sl)
+
+    def _free_slot_locked(self, sl: Slot) -> None:
+        tier = self.tiers[sl.tier]
+        tier.forget(SlotRun(sl.offset, (sl.key,), sl.value_bytes))
+        tier.release(sl.offset, 1)
+
+    # -- start-up and stats ----------------------------------------------------------------
+
+    def recover(self) -> None:
+        """Index what persistent tiers kept across a restart; a higher tier's copy wins."""
+        for t, tier in enumerate(self.tiers):
+            recovered = 0
+            for run in tier.recover():
+                for j, key in enumerate(run.keys):
+                    slot = Slot(key, t, run.offset + j, run.value_bytes)
+                    if key in self._entries:
+                        self._free_slot_locked(slot)
+                        continue
+                    self._entries[key] = Entry(slot)
+                    self._evict[t].insert(key, run.value_bytes)
+                    recovered += 1
+            if recovered:
+                log.info("tier %s: recovered %d chunks", tier.name, recovered)
+
+    def stats(self) -> StoreStats:
+        """A frozen snapshot of the counters, with each tier's own stats."""
+        with self.lock:
+            counts = dataclasses.asdict(self.counts)
+            chunks = len(self._entries)
+            hits = tuple((t.name, n) for t, n in zip(self.tiers, self._tier_hits, strict=True))
+        return StoreStats(
+            chunks=chunks, tier_hits=hits, tiers=tuple(t.stats() for t in self.tiers), **counts
+        )

@@ -1,0 +1,401 @@
+"""The store's worker: every transfer of chunk bytes between the caller and the tiers.
+
+The :class:`Mover` writes new chunks (``put``), reads hits (``get``), makes room by
+demoting or dropping victims, promotes hits, and adopts chunks that other processes
+left in shared tiers. It runs on the store's I/O threads and holds the index lock only
+to read or change the books (:class:`~kvtier.store.index.StoreIndex`), never across I/O.
+
+Failures of a tier (I/O errors, corrupt bytes) never escape as exceptions: they become
+misses, a counter, an event and a rate-limited log line.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvtier.alloc import Extent
+from kvtier.errors import CorruptChunkError, TierError
+from kvtier.keys import ChunkKey
+from kvtier.store.index import Slot, StoreIndex, runs_of
+from kvtier.store.policy import PlacementPolicy
+from kvtier.store.types import EventKind, GetResult, PutResult, StoreEvent
+from kvtier.tiers.base import SlotRun
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[[StoreEvent], None]
+Background = Callable[[Callable[[], object]], None]
+"""Runs a call later on an I/O thread (background promotions); a closed store skips it."""
+
+_MAKE_ROOM_ROUNDS = 8  # bounded retries when concurrent puts race for freed space
+
+
+def _offsets(extents: Sequence[Extent]) -> list[int]:
+    return [o for ext in extents for o in range(ext.offset, ext.offset + ext.units)]
+
+
+def _contiguous_groups(items: list[tuple[int, ChunkKey]]) -> list[tuple[int, list[ChunkKey]]]:
+    """Split (index in caller buffer, key) pairs into runs of consecutive indices."""
+    out: list[tuple[int, list[ChunkKey]]] = []
+    for idx, key in items:
+        if out and out[-1][0] + len(out[-1][1]) == idx:
+            out[-1][1].append(key)
+        else:
+            out.append((idx, [key]))
+    return out
+
+
+class Mover:
+    """Moves chunk bytes for one store.
+
+    Args:
+        index: the store's books; the mover changes them under their lock.
+        placement: admission, demotion and promotion decisions.
+        promote_on_hit: move chunks hit in a lower tier back to the top, in the background.
+        background: how promotions are scheduled.
+    """
+
+    def __init__(
+        self,
+        index: StoreIndex,
+        placement: PlacementPolicy,
+        *,
+        promote_on_hit: bool,
+        background: Background,
+    ) -> None:
+        self.index = index
+        self.tiers = index.tiers
+        self.slot_bytes = min(t.slot_bytes for t in self.tiers)
+        self.placement = placement
+        self.promote_on_hit = promote_on_hit
+        self.listeners: list[Listener] = []
+        self.shared = [i for i, t in enumerate(self.tiers) if t.shared]
+        self._background = background
+
+    # -- put -------------------------------------------------------------------------------
+
+    def put(
+        self, keys: list[ChunkKey], view: memoryview, value_bytes: int, prefix: list[ChunkKey]
+    ) -> PutResult:
+        """Store the new ``keys`` (values packed in ``view``), protecting ``prefix``."""
+        held = self.index.pin(prefix)
+        try:
+            return self._put_pinned(keys, view, value_bytes)
+        finally:
+            self.index.unpin(held)
+
+    def _put_pinned(self, keys: list[ChunkKey], view: memoryview, value_bytes: int) -> PutResult:
+        fresh = self.index.claim_new(keys)
+        stored = failed = 0
+        try:
+            todo = fresh
+            for t in range(len(self.tiers)):
+                if not todo:
+                    break
+                todo_keys = [k for _, k in todo]
+                with self.index.lock:
+                    admitted = self.placement.admit(t, todo_keys, value_bytes)
+                if not admitted:
+                    continue
+                # A run longer than the whole tier keeps its head here, the rest goes on down.
+                take = min(len(todo), self.tiers[t].capacity_slots)
+                extents = None
+                for _ in range(3):  # another put may take the room we made; try again
+                    if not self.make_room(t, take):
+                        # Pinned or busy chunks hold part of the tier: store what fits.
+                        take = min(take, self.index.evictable_slots(t))
+                        if take < 1 or not self.make_room(t, take):
+                            break
+                    extents = self.tiers[t].allocate(take)
+                    if extents is not None:
+                        break
+                if extents is None:
+                    continue
+                s, f = self._write_new(t, extents, todo[:take], view, value_bytes)
+                stored += s
+                failed += f
+                todo = todo[take:]
+            rejected = len(todo)
+        finally:
+            self.index.finish_put(fresh, stored, failed)
+        return PutResult(stored, len(keys) - len(fresh), rejected, failed)
+
+    def _write_new(
+        self,
+        t: int,
+        extents: list[Extent],
+        items: list[tuple[int, ChunkKey]],
+        view: memoryview,
+        value_bytes: int,
+    ) -> tuple[int, int]:
+        tier = self.tiers[t]
+        stored = failed = 0
+        pos = 0
+        written: list[tuple[ChunkKey, int]] = []
+        for ext in extents:
+            offset, n = ext.offset, ext.units
+            chunk = items[pos : pos + n]
+            pos += n
+            # Values in one extent are written with one copy when they are contiguous
+            # in the caller's buffer, which they are for a sequence's new chunks.
+            slot = offset
+            done: list[tuple[ChunkKey, int]] = []
+            try:
+                for start_idx, ks in _contiguous_groups(chunk):
+                    run = SlotRun(slot, tuple(ks), value_bytes)
+                    src = view[start_idx * value_bytes : (start_idx + len(ks)) * value_bytes]
+                    tier.write(run, src)
+                    done.extend((k, slot + j) for j, k in enumerate(ks))
+                    slot += len(ks)
+            except TierError as exc:
+                self.tier_failed(t, "write", exc, n)
+                tier.release(offset, n)
+                failed += n
+                continue
+            written.extend(done)
+            stored += n
+        self.index.add_written(t, written, value_bytes)
+        if stored:
+            self.emit(StoreEvent(EventKind.STORED, tier.name, stored, stored * value_bytes))
+        return stored, failed
+
+    # -- get -------------------------------------------------------------------------------
+
+    def get(self, slots: list[Slot], view: memoryview, tail: list[ChunkKey]) -> GetResult:
+        """Read the held ``slots`` into ``view``, then what shared tiers hold of ``tail``."""
+        if tail:
+            room = view.nbytes - sum(sl.value_bytes for sl in slots)
+            slots = slots + self.adopt(tail, hold=True, max_bytes=room)
+        done = 0
+        pos = 0
+        tiers: list[str] = []
+        lengths: list[int] = []
+        try:
+            for first, t, run in runs_of(slots):
+                try:
+                    self.tiers[t].read(run, view[pos : pos + run.nbytes])
+                except TierError as exc:
+                    self._read_failed(t, slots[first : first + run.n], exc)
+                    break
+                done = first + run.n
+                pos += run.nbytes
+                tiers.extend([self.tiers[t].name] * run.n)
+                lengths.extend([run.value_bytes] * run.n)
+        finally:
+            self.index.unread(slots)
+        with self.index.lock:
+            by_tier = self.index.note_hits(slots[:done], pos)
+            for t, ks in by_tier.items():
+                self.placement.on_hit(t, ks)
+        if self.promote_on_hit:
+            for t, ks in by_tier.items():
+                if t > 0 and self.placement.should_promote(t, ks):
+                    self._background(functools.partial(self._promote, ks))
+        return GetResult(done, pos, tuple(lengths), tuple(tiers))
+
+    def _promote(self, keys: list[ChunkKey]) -> None:
+        # Never more than half the top tier at once: a promotion must not flush the
+        # whole working set of the top tier for one long sequence.
+        limit = max(1, self.tiers[0].capacity_slots // 2)
+        with self.index.lock:
+            movable = self.index.claim_movers_locked(keys[:limit], lambda e: e.slot.tier > 0)
+        if not movable:
+            return
+        if not self.make_room(0, len(movable)):
+            with self.index.lock:
+                self.index.release_movers_locked(movable)
+            return
+        moved = self._move(movable, 0, drop_on_failure=False)
+        with self.index.lock:
+            self.index.counts.promoted_chunks += moved
+        if moved:
+            self.emit(StoreEvent(EventKind.PROMOTED, self.tiers[0].name, moved, 0))
+
+    # -- shared tiers ----------------------------------------------------------------------
+
+    def adopt(
+        self, keys: Sequence[ChunkKey], *, hold: bool = False, max_bytes: int | None = None
+    ) -> list[Slot]:
+        """Index the leading ``keys`` that shared tiers hold but this index lacks.
+
+        Another process may have stored them. Each shared tier, in order, is probed for
+        what is still missing; each chunk found claims one slot of that tier (its
+        allocator is a logical bound there) and is then read through the normal path. A
+        chunk that vanishes before it is read fails that read, which is a miss. Called
+        with no lock held (probes do I/O). Returns the slots of the leading run, in key
+        order, read-held when ``hold``; at most ``max_bytes`` of values.
+        """
+        out: list[Slot] = []
+        rest = list(keys)
+        room = max_bytes
+        for t in self.shared:
+            if not rest:
+                break
+            tier = self.tiers[t]
+            lengths: list[int] = []
+            for length in list(tier.probe(rest))[: len(rest)]:
+                if not 0 < length <= min(tier.slot_bytes, self.slot_bytes):
+                    break
+                if room is not None:
+                    if length > room:
+                        break
+                    room -= length
+                lengths.append(length)
+            n = min(len(lengths), tier.capacity_slots)
+            if not n:
+                continue
+            if not self.make_room(t, n):
+                break
+            extents = tier.allocate(n)
+            if extents is None:
+                break
+            out += self.index.add_adopted(t, rest[:n], _offsets(extents), lengths[:n], hold=hold)
+            rest = rest[n:]
+            if n < len(lengths):
+                break
+        return out
+
+    # -- making room -----------------------------------------------------------------------
+
+    def make_room(self, t: int, n: int) -> bool:
+        """Ensure tier ``t`` has ``n`` free slots, demoting or dropping victims. No lock held."""
+        tier = self.tiers[t]
+        if n > tier.capacity_slots:
+            return False
+        for _ in range(_MAKE_ROOM_ROUNDS):
+            with self.index.lock:
+                deficit = n - tier.free_slots
+                if deficit <= 0:
+                    return True
+                victims = self.index.pick_victims_locked(t, deficit)
+                if len(victims) < deficit:
+                    # Not enough evictable chunks: change nothing (atomic eviction).
+                    self.index.release_movers_locked(victims)
+                    return False
+                target = self.placement.demote_target(t, len(self.tiers), [v.key for v in victims])
+                if target is None:
+                    self._drop_locked(t, victims)
+                    continue
+            if self.make_room(target, len(victims)):
+                moved = self._move(victims, target, drop_on_failure=True)
+                with self.index.lock:
+                    self.index.counts.demoted_chunks += moved
+                if moved:
+                    self.emit(StoreEvent(EventKind.DEMOTED, self.tiers[target].name, moved, 0))
+            else:
+                with self.index.lock:
+                    self._drop_locked(t, victims)
+        return tier.free_slots >= n
+
+    def _drop_locked(self, t: int, victims: list[Slot]) -> None:
+        dropped = self.index.drop_movers_locked(victims)
+        self.emit(StoreEvent(EventKind.DROPPED, self.tiers[t].name, dropped, 0))
+
+    def _move(self, victims: list[Slot], target: int, *, drop_on_failure: bool) -> int:
+        """Copy claimed chunks into ``target`` (room already made) and repoint the index.
+
+        Returns how many moved. A chunk that fails to move is dropped when it is a
+        victim that must leave its tier (``drop_on_failure``), and stays where it was
+        otherwise (a promotion). The old copy is released only when its last reader is
+        done, so concurrent gets of these chunks still read intact bytes.
+        """
+        victims = sorted(victims, key=lambda v: (v.tier, v.offset))
+        dst_tier = self.tiers[target]
+        extents = dst_tier.allocate(len(victims))
+        if extents is None:
+            with self.index.lock:
+                if drop_on_failure:
+                    self._drop_locked(victims[0].tier, victims)
+                else:
+                    self.index.release_movers_locked(victims)
+            return 0
+        offsets = _offsets(extents)
+        starts: list[int] = []
+        pos = 0
+        for v in victims:
+            starts.append(pos)
+            pos += v.value_bytes
+        staging = np.empty(pos, dtype=np.uint8)
+        view = memoryview(staging.data)
+        ok = [False] * len(victims)
+        for first, t, run in runs_of(victims):
+            lo = starts[first]
+            try:
+                self.tiers[t].read(run, view[lo : lo + run.nbytes])
+            except TierError as exc:
+                self._read_failed(t, victims[first : first + run.n], exc)
+                continue
+            for j in range(run.n):
+                ok[first + j] = True
+        new_slots = [Slot(v.key, target, offsets[i], v.value_bytes) for i, v in enumerate(victims)]
+        written = [False] * len(victims)
+        # Write what was read into the new slots, run by run (staging is packed in
+        # victim order, and new offsets follow the same order).
+        good = [i for i in range(len(victims)) if ok[i]]
+        for first, _, run in runs_of([new_slots[i] for i in good]):
+            idx = good[first : first + run.n]
+            contiguous = all(
+                starts[i] == starts[idx[0]] + j * run.value_bytes for j, i in enumerate(idx)
+            )
+            try:
+                if contiguous:
+                    lo = starts[idx[0]]
+                    dst_tier.write(run, view[lo : lo + run.nbytes])
+                else:
+                    for j, i in enumerate(idx):
+                        one = SlotRun(run.offset + j, (run.keys[j],), run.value_bytes)
+                        dst_tier.write(one, view[starts[i] : starts[i] + run.value_bytes])
+            except TierError as exc:
+                self.tier_failed(target, "write", exc, run.n)
+                continue
+            for i in idx:
+                written[i] = True
+        moved = 0
+        with self.index.lock:
+            for i, old in enumerate(victims):
+                new = new_slots[i] if written[i] else None
+                if self.index.repoint_locked(old, new, drop=drop_on_failure):
+                    moved += 1
+                else:
+                    dst_tier.release(new_slots[i].offset, 1)
+        return moved
+
+    # -- failures and events ---------------------------------------------------------------
+
+    def _read_failed(self, t: int, slots: list[Slot], exc: TierError) -> None:
+        corrupt = isinstance(exc, CorruptChunkError)
+        self.tier_failed(t, "read", exc, len(slots))
+        self.index.forget_failed(slots, corrupt=corrupt)
+        if corrupt:
+            nbytes = sum(sl.value_bytes for sl in slots)
+            self.emit(
+                StoreEvent(EventKind.CORRUPT, self.tiers[t].name, len(slots), nbytes, str(exc))
+            )
+
+    def tier_failed(self, t: int, op: str, exc: TierError, n: int) -> None:
+        """Count, log (rate-limited) and announce a failure of tier ``t``'s ``op``."""
+        name = self.tiers[t].name
+        seen = self.index.note_failure(name, op)
+        # Log the first failure of each kind, then one in a thousand: a dying disk must
+        # not flood the engine's log.
+        if seen % 1000 == 0:
+            log.warning(
+                "tier %s %s failed for %d chunk(s), served as a miss (%d so far): %s",
+                name,
+                op,
+                n,
+                seen + 1,
+                exc,
+            )
+        self.emit(StoreEvent(EventKind.TIER_ERROR, name, n, 0, f"{op}: {exc}"))
+
+    def emit(self, event: StoreEvent) -> None:
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:  # a listener's bug must not break a store operation
+                log.exception("store listener failed on %s", event.kind.value)
