@@ -43,7 +43,8 @@ from typing_extensions import override
 from kvtier import codec as kvcodec
 from kvtier.config import Switch
 from kvtier.errors import ClosedError, ConfigError, CorruptChunkError, TierIOError
-from kvtier.tiers.base import SlotRun, Tier, TierProfile
+from kvtier.files import DIR_MODE, FILE_MODE, make_private, make_private_dirs
+from kvtier.tiers.base import SlotRun, Tier, TierFaults, TierProfile
 from kvtier.tiers.nvme import Codec, EngineKind, Options
 from kvtier.tiers.nvme.engine import PAGE, BufferPool, IOEngine, IORequest, is_aligned, make_engine
 from kvtier.tiers.nvme.journal import Durability, Entry, Geometry, Journal, Op
@@ -108,7 +109,7 @@ def _dirs(name: str, opts: Options) -> list[Path]:
                     f"tiers.{name}.paths", p, "an existing directory (or set create_dirs = true)"
                 )
             try:
-                d.mkdir(parents=True, exist_ok=True)
+                make_private_dirs(d)
             except OSError as exc:
                 raise ConfigError(
                     f"tiers.{name}.paths", p, f"a directory that can be created ({exc})"
@@ -170,7 +171,8 @@ class NVMeTier(Tier):
         try:
             self._open_slabs(dirs)
             index_dir = dirs[0] / f"{name}.index"
-            index_dir.mkdir(exist_ok=True)
+            index_dir.mkdir(mode=DIR_MODE, exist_ok=True)
+            make_private(index_dir)
             self._lock_fd = _lock_dir(index_dir, name)
             self._journal = Journal(
                 index_dir,
@@ -211,8 +213,9 @@ class NVMeTier(Tier):
             slots = min(self._per_slab, self.capacity_slots - i * self._per_slab)
             size = max(0, slots) * self.slot_bytes
             path = d / f"{self.name}.slab{i}"
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
             try:
+                os.fchmod(fd, FILE_MODE)  # also a slab an older version made 0644
                 if os.fstat(fd).st_size < size:
                     os.ftruncate(fd, size)
                 if opts.preallocate and size:
@@ -587,6 +590,16 @@ class NVMeTier(Tier):
             self._journal.append(ops)
 
     @override
+    def commit_forgets(self) -> None:
+        """Under ``sync``, wait until every queued deletion is durable (group commit)."""
+        if self._closed or self.options.durability is not Durability.SYNC:
+            return
+        try:
+            self._journal.flush_pending()
+        except OSError as exc:
+            raise self._io_error("journal commit of deletions", exc) from exc
+
+    @override
     def flush(self) -> None:
         """Make every acknowledged chunk and deletion durable, whatever the durability mode.
 
@@ -614,6 +627,13 @@ class NVMeTier(Tier):
     @override
     def media_bytes_written(self) -> int:
         return self.nvme_stats().media_bytes_written
+
+    @override
+    def faults(self) -> TierFaults:
+        with self._count_lock:
+            return TierFaults(
+                io_errors=self._counts["io_errors"], corrupt_chunks=self._counts["corrupt"]
+            )
 
     def nvme_stats(self) -> NVMeStats:
         """Counters specific to this tier (media bytes for the endurance budget, faults)."""
@@ -647,7 +667,7 @@ class NVMeTier(Tier):
 
 def _lock_dir(index_dir: Path, name: str) -> int:
     """Take the index directory for this process: two writers would corrupt each other."""
-    fd = os.open(index_dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(index_dir / "lock", os.O_RDWR | os.O_CREAT, FILE_MODE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
