@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import enum
 import ipaddress
 import math
@@ -37,6 +38,9 @@ from kvtier.units import GiB, parse_size
 T = TypeVar("T")
 
 ENV_PREFIX = "KVTIER_"
+# The one environment variable without the nested form: people type it (issue 12). It is
+# service.data_dir, like KVTIER_SERVICE__DATA_DIR (which wins when both are set).
+DATA_DIR_ENV = "KVTIER_DATA_DIR"
 
 
 class Switch(enum.Enum):
@@ -179,14 +183,10 @@ def load_config(
     """
     raw = copy.deepcopy(base) if base is not None else default_toml()
     if path is not None:
-        try:
-            file_raw = tomllib.loads(Path(path).read_text())
-        except OSError as exc:
-            raise ConfigError("config_file", str(path), f"a readable TOML file ({exc})") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError("config_file", str(path), f"valid TOML ({exc})") from exc
-        raw = merge(raw, file_raw)
+        raw = merge(raw, read_toml(path))
     environ = os.environ if env is None else env
+    if DATA_DIR_ENV in environ:
+        set_dotted(raw, "service.data_dir", environ[DATA_DIR_ENV], source=DATA_DIR_ENV)
     for name, value in sorted(environ.items()):
         if name.startswith(ENV_PREFIX) and "__" in name:
             dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
@@ -197,6 +197,20 @@ def load_config(
             raise ConfigError("--set", item, "key.path=value")
         set_dotted(raw, key.strip(), value.strip(), source=f"--set {key.strip()}")
     return parse_config(raw)
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A kvtier TOML file, parsed (the one reader of config files).
+
+    Raises:
+        ConfigError: the file cannot be read, or is not valid TOML (key ``config_file``).
+    """
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError("config_file", str(path), f"a readable TOML file ({exc})") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config_file", str(path), f"valid TOML ({exc})") from exc
 
 
 def merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -265,6 +279,11 @@ def parse_config(raw: Mapping[str, Any]) -> KVTierConfig:
         if not isinstance(kind, str):
             raise ConfigError(f"{where}.kind", kind, "a tier kind such as 'host'")
         options_cls = tier_options_class(kind, where)
+        known = ["capacity_bytes", "kind", "name"]
+        known += [f.name for f in dataclasses.fields(options_cls)]
+        for key in t:
+            if key not in known:
+                raise ConfigError(f"{where}.{key}", t[key], _known_keys(key, known, f"{kind} tier"))
         name = str(t.pop("name", kind))
         if not _TIER_NAME_RE.fullmatch(name):
             # Names become file names (slab files, index directories): no paths.
@@ -376,7 +395,8 @@ def build_dataclass(cls: type[T], raw: Mapping[str, Any], where: str) -> T:
     for key, value in raw.items():
         dotted = f"{where}.{key}" if where else key
         if key not in fields:
-            raise ConfigError(dotted, value, f"one of the known keys {sorted(fields)}")
+            table = f"[{where}] table" if where else "top level"
+            raise ConfigError(dotted, value, _known_keys(key, list(fields), table))
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             kwargs[key] = build_dataclass(hint, value, dotted)  # type: ignore[arg-type]
@@ -388,6 +408,13 @@ def build_dataclass(cls: type[T], raw: Mapping[str, Any], where: str) -> T:
         raise ConfigError(
             where or "<root>", dict(raw), f"the fields of {cls.__name__}: {exc}"
         ) from exc
+
+
+def _known_keys(key: str, known: list[str], where: str) -> str:
+    """What an unknown key should have been: the closest known one, then all of them."""
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"one of the known keys of the {where} {sorted(known)}{hint}"
 
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:

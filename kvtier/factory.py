@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.config import KVTierConfig, ModelConfig, TierSection
+from kvtier.errors import SpecError
 from kvtier.keys import ChunkHasher, Namespace
 from kvtier.spec import PRESETS, DType, KVSpec, preset
 from kvtier.store.policy import PlacementPolicy, eviction_factory, placement_factory
@@ -37,6 +38,12 @@ def spec_from_model(model: ModelConfig) -> KVSpec:
         base = preset(model.name)
         dtype = DType.parse(model.dtype) if model.dtype else base.dtype
         return dataclasses.replace(base, dtype=dtype, tp_rank=model.tp_rank, tp_size=model.tp_size)
+    if not Path(model.name).expanduser().exists():
+        # A typo of a preset name is far likelier than a missing config.json (issue 12).
+        raise SpecError(
+            f"model.name {model.name!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+            "nor an existing Hugging Face config.json (or its folder): set one of those"
+        )
     return KVSpec.from_hf_config(
         model.name, dtype=model.dtype or None, tp_rank=model.tp_rank, tp_size=model.tp_size
     )

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .keys import KeyScheme, request_extra
 from .metadata import (
     KVTierConnectorStats,
     KVTierMetadata,
@@ -25,7 +26,6 @@ from .metadata import (
     LoadOp,
     SaveOp,
 )
-from .settings import KeyScheme, request_extra
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from .remote import DaemonLookup
+    from .settings import ChunkShape
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ class SchedulerSide:
 
     Args:
         scheme: the key scheme (model, spec, chunk size).
-        block_size: vLLM's block size, in tokens.
+        shape: how chunks tile vLLM's blocks.
         world_size: workers that each hold their own store (TP x PP); a key is loadable
             once all of them confirmed it.
         mirror_capacity: most keys the mirror lists.
@@ -123,7 +124,7 @@ class SchedulerSide:
     def __init__(
         self,
         scheme: KeyScheme,
-        block_size: int,
+        shape: ChunkShape,
         world_size: int,
         mirror_capacity: int,
         remote: DaemonLookup | None = None,
@@ -131,8 +132,8 @@ class SchedulerSide:
         self.scheme = scheme
         self.hasher = scheme.hasher()
         self.chunk_tokens = scheme.chunk_tokens
-        self.block_size = block_size
-        self.blocks_per_chunk = scheme.chunk_tokens // block_size
+        self.block_size = shape.block_size
+        self.blocks_per_chunk = shape.blocks_per_chunk
         self.world_size = world_size
         self.mirror = KeyMirror(mirror_capacity)
         self.remote = remote

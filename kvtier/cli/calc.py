@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvtier.cli.console import stdout_console
 from kvtier.errors import InputError
 from kvtier.units import format_size, parse_size
 
@@ -29,8 +30,9 @@ calc_app = typer.Typer(
     help="Size DRAM, CXL and SSD tiers for a workload at minimum cost (offline calculator).",
     no_args_is_help=False,
     invoke_without_command=True,
+    rich_markup_mode=None,  # as the main app: no stray "<bool>" in --help
 )
-out = Console()
+out = stdout_console()
 
 
 @dataclass(frozen=True, slots=True)

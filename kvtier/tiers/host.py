@@ -26,8 +26,9 @@ class Options:
     numa_node: int | None = None
     # Page-lock the arena with cudaHostRegister: auto (when CUDA is present), on, off.
     pin: Switch = Switch.AUTO
-    # Fault every page in at start-up, so first writes run at memcpy speed.
-    prefault: bool = True
+    # Fault every page in at start-up, so first writes run at memcpy speed. Off by
+    # default: the arena then takes memory as it fills, not all of it at start.
+    prefault: bool = False
     # Threads that share one large copy (>= 4 MiB); 1 copies on the calling I/O thread only.
     copy_threads: int = 1
 

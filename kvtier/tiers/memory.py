@@ -1,8 +1,9 @@
 """A host memory arena in POSIX shared memory, optionally NUMA-bound and CUDA-pinned.
 
 The arena is a file in ``/dev/shm`` mapped into this process, so engine workers (or a
-daemon's clients on the same host) can map the same bytes by path. Pages are faulted in
-at start-up so the first copies into the tier run at memcpy speed.
+daemon's clients on the same host) can map the same bytes by path. Pages are taken as
+the tier fills (``prefault`` faults them all in at start-up instead, so the first copies
+run at memcpy speed, at the price of the whole arena's memory from the first second).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class SharedArena:
         *,
         numa_node: int | None = None,
         pin: Switch = Switch.AUTO,
-        prefault: bool = True,
+        prefault: bool = False,
     ) -> None:
         base = SHM_DIR if SHM_DIR.is_dir() else Path("/tmp")
         sweep_stale_arenas(base)

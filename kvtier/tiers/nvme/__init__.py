@@ -1,4 +1,4 @@
-"""The ``nvme`` tier: preallocated slab files, O_DIRECT or kvikio I/O, a crash-safe index.
+"""The ``nvme`` tier: slab files that grow with use, O_DIRECT or kvikio I/O, a crash-safe index.
 
 * :mod:`.engine` moves bytes (``posix``, ``kvikio``; ``uring`` evaluated and dropped);
 * :mod:`.journal` keeps the index durable (checkpoint + journal, group commit);
@@ -62,8 +62,10 @@ class Options:
     io_threads: int = 4
     # Large runs are split into transfers of this size, run in parallel.
     io_piece_bytes: int = 4 * 1024 * 1024
-    # Reserve the slab files' blocks at start (posix_fallocate): no ENOSPC on data later.
-    preallocate: bool = True
+    # Reserve the slab files' whole capacity at start (posix_fallocate). False: slabs grow
+    # with use, reserving 256 MiB steps ahead of the writes; either way a full disk fails
+    # a new write (a miss), never a chunk already stored.
+    preallocate: bool = False
     # Reopen what a previous run stored; false discards the old index at start.
     recover: bool = True
     # At start, read every recovered chunk and drop those whose checksum fails

@@ -1,9 +1,15 @@
-"""The NVMe tier: chunks in preallocated slab files, indexed by a crash-safe journal.
+"""The NVMe tier: chunks in slab files, indexed by a crash-safe journal.
 
 Layout: the tier's slots are split evenly over one slab file per configured
 directory; slot ``s`` lives in slab ``s // slots_per_slab`` at byte
 ``(s % slots_per_slab) * slot_bytes``. Slots are 4 KiB multiples, so every transfer
 suits O_DIRECT. No file per chunk.
+
+Space: a slab file grows with use. Before a write past the space reserved so far, the
+tier reserves the next :data:`GROW_STEP_BYTES` (``posix_fallocate``), so a full disk
+fails that reservation, i.e. that write (a miss, counted in ``io_errors``), never the
+data of a chunk already acknowledged, and the tier never takes more disk than the
+highest slot it used. ``preallocate = true`` reserves the whole capacity at start.
 
 Write path (``Tier.write``): the run is cut into transfers of ``io_piece_bytes``; on
 an engine thread each piece is copied into a page-aligned buffer (skipped when the
@@ -30,6 +36,7 @@ import functools
 import logging
 import mmap
 import os
+import shutil
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,9 +55,13 @@ from kvtier.tiers.base import SlotRun, Tier, TierFaults, TierProfile
 from kvtier.tiers.nvme import Codec, EngineKind, Options
 from kvtier.tiers.nvme.engine import PAGE, BufferPool, IOEngine, IORequest, is_aligned, make_engine
 from kvtier.tiers.nvme.journal import Durability, Entry, Geometry, Journal, Op
-from kvtier.units import align_up
+from kvtier.units import align_up, format_size
 
 log = logging.getLogger(__name__)
+
+# Slab files grow by this much at a time (or to their full size, if smaller): few
+# fallocate calls, and a new tier costs at most this much disk before it holds data.
+GROW_STEP_BYTES = 256 << 20
 
 # A datacenter TLC NVMe drive: ~80 us to first byte, Gen4 x4 sequential, ~1 drive write a day.
 NVME_PROFILE = TierProfile(
@@ -168,6 +179,11 @@ class NVMeTier(Tier):
         self.engine = engine if engine is not None else self._make_engine(opts)
         self._recovered: list[SlotRun] = []
         self._lock_fd = -1
+        # Per slab: its full size, the bytes reserved so far, and a descriptor to grow it.
+        self._slab_bytes: list[int] = []
+        self._reserved: list[int] = []
+        self._grow_fds: list[int] = []
+        self._grow_lock = threading.Lock()
         try:
             self._open_slabs(dirs)
             index_dir = dirs[0] / f"{name}.index"
@@ -185,17 +201,23 @@ class NVMeTier(Tier):
             live = self._load() if opts.recover else {}
             self._journal.start(live)
         except OSError as exc:
-            self.engine.close()
-            _unlock(self._lock_fd)
+            self._close_files()
             raise ConfigError(
                 f"tiers.{name}.paths",
                 [str(d) for d in dirs],
                 f"writable slab and index files ({exc})",
             ) from exc
         except BaseException:
-            self.engine.close()
-            _unlock(self._lock_fd)
+            self._close_files()
             raise
+
+    def _close_files(self) -> None:
+        self.engine.close()
+        _unlock(self._lock_fd)
+        self._lock_fd = -1
+        for fd in self._grow_fds:
+            os.close(fd)
+        self._grow_fds = []
 
     # -- set-up --------------------------------------------------------------------------
 
@@ -214,34 +236,74 @@ class NVMeTier(Tier):
             size = max(0, slots) * self.slot_bytes
             path = d / f"{self.name}.slab{i}"
             fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
-            try:
-                os.fchmod(fd, FILE_MODE)  # also a slab an older version made 0644
-                if os.fstat(fd).st_size < size:
-                    os.ftruncate(fd, size)
-                if opts.preallocate and size:
-                    try:
-                        os.posix_fallocate(fd, 0, size)
-                    except OSError as exc:
-                        if exc.errno == errno.ENOSPC:
-                            raise ConfigError(
-                                f"tiers.{self.name}.capacity_bytes",
-                                self.capacity_bytes,
-                                f"a size that fits in {d} (no space for {size} B)",
-                            ) from exc
-                        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                            raise
-                        log.info(
-                            "nvme: %s cannot preallocate (%s); blocks come on first write",
-                            d,
-                            exc.strerror,
-                        )
-            finally:
-                os.close(fd)
+            os.fchmod(fd, FILE_MODE)  # also a slab an older version made 0644
+            self._grow_fds.append(fd)
+            self._slab_bytes.append(size)
+            # What an earlier run reserved stays reserved (fallocate extends the file).
+            self._reserved.append(min(size, os.fstat(fd).st_size))
+            if opts.preallocate and size:
+                self._grow(i, size, at_start=True)
+            else:
+                free = shutil.disk_usage(d).free
+                if free < size - self._reserved[i]:
+                    log.warning(
+                        "nvme %s: %s has %s free, the slab may grow to %s more; once the disk"
+                        " is full, writes to this tier fail (misses), stored chunks stay",
+                        self.name,
+                        d,
+                        format_size(free),
+                        format_size(size - self._reserved[i]),
+                    )
             idx = self.engine.open(path, direct=opts.o_direct is not Switch.OFF)
             if opts.o_direct is Switch.ON and not self.engine.direct[idx]:
                 raise ConfigError(
                     f"tiers.{self.name}.o_direct", "on", f"'auto' or 'off': {d} refuses O_DIRECT"
                 )
+
+    def _grow(self, f: int, end: int, *, at_start: bool = False) -> None:
+        """Reserve slab ``f``'s blocks up to byte ``end`` (a step more when there is room).
+
+        Raises:
+            ConfigError: at start (``preallocate``), the slab does not fit.
+            TierIOError: later, the disk is full (that write fails; nothing stored is lost).
+        """
+        with self._grow_lock:
+            have, size = self._reserved[f], self._slab_bytes[f]
+            if end <= have:
+                return
+            target = size if at_start else min(size, max(end, have + GROW_STEP_BYTES))
+            fd = self._grow_fds[f]
+            try:
+                try:
+                    os.posix_fallocate(fd, have, target - have)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC or target == end or at_start:
+                        raise
+                    target = end  # no room for a whole step: reserve what this write needs
+                    os.posix_fallocate(fd, have, target - have)
+            except OSError as exc:
+                if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                    # No fallocate here (some network and overlay filesystems): the file
+                    # grows as it is written, and ENOSPC surfaces on a data write (a miss).
+                    log.info(
+                        "nvme %s: %s cannot reserve space (%s); blocks come on first write",
+                        self.name,
+                        self.engine.paths[f] if f < len(self.engine.paths) else f"slab {f}",
+                        exc.strerror,
+                    )
+                    os.ftruncate(fd, max(size, os.fstat(fd).st_size))
+                    self._reserved[f] = size
+                    return
+                if at_start and exc.errno == errno.ENOSPC:
+                    raise ConfigError(
+                        f"tiers.{self.name}.capacity_bytes",
+                        self.capacity_bytes,
+                        f"a size that fits on disk (no space for {size} B)",
+                    ) from exc
+                if at_start:
+                    raise
+                raise self._io_error("reserving slab space", exc) from exc
+            self._reserved[f] = target
 
     def _load(self) -> dict[int, Entry]:
         res = self._journal.load()
@@ -407,6 +469,9 @@ class NVMeTier(Tier):
         self._check_open()
         pieces = self._pieces(run, self.options.codec is not Codec.NONE)
         self._check_slabs({p[0] for p in pieces})
+        for f, off, _, m in pieces:
+            if off + m * self.slot_bytes > self._reserved[f]:
+                self._grow(f, off + m * self.slot_bytes)
         vb, sb = run.value_bytes, self.slot_bytes
         data = np.frombuffer(src, dtype=np.uint8)
         sums = [0] * run.n
@@ -619,10 +684,8 @@ class NVMeTier(Tier):
             return
         self._closed = True
         self._journal.close()
-        self.engine.close()
         self._bufs.close()
-        _unlock(self._lock_fd)
-        self._lock_fd = -1
+        self._close_files()
 
     @override
     def media_bytes_written(self) -> int:

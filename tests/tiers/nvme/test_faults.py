@@ -269,8 +269,15 @@ def test_delete_on_a_full_disk_then_a_re_put_serves_the_new_value(
 
 
 def test_slab_that_does_not_fit_is_a_config_error(small_fs: Path) -> None:
+    """With ``preallocate = true``; growing slabs are tests/tiers/nvme/test_growth.py."""
     from kvtier.tiers.nvme import EngineKind, Options
     from kvtier.tiers.nvme.tier import NVMeTier
 
     with pytest.raises(ConfigError, match="fits"):
-        NVMeTier("nv", 4 << 20, SLOT, 1 << 30, Options(dir=str(small_fs), engine=EngineKind.POSIX))
+        NVMeTier(
+            "nv",
+            4 << 20,
+            SLOT,
+            1 << 30,
+            Options(dir=str(small_fs), engine=EngineKind.POSIX, preallocate=True),
+        )
