@@ -38,6 +38,7 @@ from kvtier.units import GiB, parse_size
 T = TypeVar("T")
 
 ENV_PREFIX = "KVTIER_"
+MAX_SIZE_BYTES = 1 << 62  # far past any machine; larger sizes overflow allocators
 # The one environment variable without the nested form: people type it (issue 12). It is
 # service.data_dir, like KVTIER_SERVICE__DATA_DIR (which wins when both are set).
 DATA_DIR_ENV = "KVTIER_DATA_DIR"
@@ -452,7 +453,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if hint is int:
         try:
             if key.endswith("_bytes"):
-                return parse_size(value)
+                size = parse_size(value)
+                if not 0 <= size <= MAX_SIZE_BYTES:
+                    raise ConfigError(key, value, "a size from 0 to 4EiB")
+                return size
             if isinstance(value, (bool, float)):
                 raise ValueError
             return int(value)

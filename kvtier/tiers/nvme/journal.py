@@ -336,6 +336,8 @@ class LoadResult:
     next_seq: int
     stats: ReplayStats
     geometry_changed: bool = False
+    journal_ok: bool = False
+    """``journal.<gen>`` has a sound header: appending to it can resume this generation."""
 
 
 def load(directory: Path, geo: Geometry) -> LoadResult:
@@ -389,7 +391,8 @@ def load(directory: Path, geo: Geometry) -> LoadResult:
         elif jraw:
             last = replay(jraw[RECORD_BYTES:], index, last, geo, st)
         index = newest_per_key(index, st)
-        return LoadResult(index, gen, max(last + 1, head.next_seq), st)
+        ok = jhead is not None and jhead.gen == gen and jhead.kind == KIND_JOURNAL
+        return LoadResult(index, gen, max(last + 1, head.next_seq), st, journal_ok=ok)
     return LoadResult({}, 0, 1, st)
 
 
@@ -475,6 +478,7 @@ class Journal:
         self._fresh = 0  # records queued since the last commit attempt
         self._retry_s = 0.0
         self._committing: Ticket | None = None  # the ticket of the commit in progress
+        self._resumable = False
         self._unsynced_data = False
         self._ticket = Ticket()
         self._flush_asked = 0
@@ -502,16 +506,27 @@ class Journal:
         res = load(self.dir, self.geo)
         self._gen, self._seq = res.gen, res.next_seq
         self._committed_seq = res.next_seq - 1
+        self._resumable = res.journal_ok and not res.geometry_changed
         return res
 
-    def start(self, live: dict[int, Entry]) -> None:
+    def start(self, live: dict[int, Entry], *, resume: bool = True) -> None:
         """Write ``live`` (the verified index) as a new generation and start committing.
 
+        When the new generation cannot be written (a full disk) and ``resume`` allows it,
+        the generation just loaded goes on: new records are appended to its journal
+        (their sequences follow every record in it), so a daemon restarts on a full
+        disk. ``resume`` must be False when ``live`` is not what was loaded from it.
+
         Raises:
-            OSError: the checkpoint or journal cannot be written (ENOSPC, EIO).
+            OSError: neither a new generation nor the loaded one can be written.
         """
         self._committed = dict(live)
-        self._new_generation()
+        try:
+            self._new_generation()
+        except OSError as exc:
+            if not (resume and self._resumable):
+                raise
+            self._resume(exc)
         self._thread = threading.Thread(target=self._run, name="kvtier-nvme-journal", daemon=True)
         self._thread.start()
 
@@ -534,8 +549,25 @@ class Journal:
         """The one place journal bytes are written (tests inject ENOSPC here)."""
         return os.pwrite(fd, data, offset)
 
+    def _resume(self, exc: OSError) -> None:
+        """Append to the loaded generation's journal (see :meth:`start`)."""
+        jpath = self.dir / f"journal.{self._gen}"
+        self._fd = os.open(jpath, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        size = os.fstat(self._fd).st_size
+        self._pos = max(RECORD_BYTES, size - size % RECORD_BYTES)  # over a torn tail
+        self._journal_records = (self._pos - RECORD_BYTES) // RECORD_BYTES
+        log.warning(
+            "nvme: cannot write a new checkpoint at start (%s); appending to %s instead",
+            exc,
+            jpath,
+        )
+
     def _new_generation(self) -> None:
-        """Snapshot the committed index as ``checkpoint.<gen+1>``, then switch journals."""
+        """Snapshot the committed index as ``checkpoint.<gen+1>``, then switch journals.
+
+        On failure nothing of generation ``gen+1`` is left behind: a checkpoint without
+        its journal would otherwise outrank the journal still in use at the next load.
+        """
         gen = self._gen + 1
         # Records still queued have sequences above everything committed: the new
         # journal starts right after the last committed one, so none is taken as stale.
@@ -543,11 +575,19 @@ class Journal:
         parts = [pack_header(KIND_CHECKPOINT, gen, next_seq, self.geo)]
         parts.append(pack_puts(sorted(self._committed.values(), key=lambda e: e.slot)))
         tmp = self.dir / f"checkpoint.{gen}.tmp"
-        self._write_file(tmp, b"".join(parts))
-        os.replace(tmp, self.dir / f"checkpoint.{gen}")
         jpath = self.dir / f"journal.{gen}"
-        self._write_file(jpath, pack_header(KIND_JOURNAL, gen, next_seq, self.geo))
-        fsync_dir(self.dir)
+        try:
+            self._write_file(tmp, b"".join(parts))
+            os.replace(tmp, self.dir / f"checkpoint.{gen}")
+            self._write_file(jpath, pack_header(KIND_JOURNAL, gen, next_seq, self.geo))
+            fsync_dir(self.dir)
+        except OSError:
+            for p in (tmp, self.dir / f"checkpoint.{gen}", jpath):
+                with contextlib.suppress(OSError):
+                    p.unlink()
+            with contextlib.suppress(OSError):
+                fsync_dir(self.dir)
+            raise
         old_fd = self._fd
         self._fd = os.open(jpath, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
         self._pos = RECORD_BYTES

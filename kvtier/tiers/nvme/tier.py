@@ -199,7 +199,8 @@ class NVMeTier(Tier):
                 sync_data=self.engine.sync,
             )
             live = self._load() if opts.recover else {}
-            self._journal.start(live)
+            # Without recovery the loaded generation's records must not be resumed.
+            self._journal.start(live, resume=opts.recover)
         except OSError as exc:
             self._close_files()
             raise ConfigError(

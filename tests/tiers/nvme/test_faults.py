@@ -281,3 +281,46 @@ def test_slab_that_does_not_fit_is_a_config_error(small_fs: Path) -> None:
             1 << 30,
             Options(dir=str(small_fs), engine=EngineKind.POSIX, preallocate=True),
         )
+
+
+def test_fault_counters_reach_tier_stats_and_metrics(make_store) -> None:
+    from kvtier.service.metrics import store_exposition
+
+    engine = FaultyEngine(errno.EIO)
+    store, _ = make_store(engine=engine)
+    _put(store, [1, 2])
+    engine.fail_reads = 1
+    assert get_all(store, [1]) == {}  # the failed read is a miss
+    (tier_stats,) = store.stats().tiers
+    assert tier_stats.io_errors == 1  # before the fix: only in nvme_stats(), never in /metrics
+    text = "\n".join(store_exposition(store.stats()))
+    assert 'kvtier_tier_io_errors_total{tier="nv",kind="nvme"} 1' in text
+    assert 'kvtier_tier_corrupt_chunks_total{tier="nv",kind="nvme"} 0' in text
+
+
+def test_data_at_rest_is_private(make_store, tmp_path: Path) -> None:
+    d = tmp_path / "new" / "data"
+    store, _ = make_store(d, create_dirs=True)
+    _put(store, [1])
+    store.close()
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o700
+    assert d.stat().st_mode & 0o777 == 0o700
+    assert (d / "nv.index").stat().st_mode & 0o777 == 0o700
+    files = [d / "nv.slab0", *(d / "nv.index").iterdir()]
+    assert {f.name: f.stat().st_mode & 0o777 for f in files} == {f.name: 0o600 for f in files}
+
+
+def test_a_restart_on_a_full_disk_resumes_the_journal(make_store, small_fs: Path) -> None:
+    store, _ = make_store(small_fs, cap=16 * SLOT, durability=Durability.SYNC)
+    assert _put(store, [1, 2, 3]).stored == 3
+    filler = _fill(small_fs)
+    store.close()
+    # No room for a new checkpoint: before the fix the tier refused to start (ConfigError).
+    store, _ = make_store(small_fs, cap=16 * SLOT)
+    assert get_all(store, [1, 2, 3]) == {1: True, 2: True, 3: True}
+    filler.unlink()
+    assert store.delete([key(2)]) == 1  # appended to the resumed journal
+    assert _put(store, [4]).stored == 1
+    store.close()
+    store, _ = make_store(small_fs, cap=16 * SLOT)
+    assert get_all(store, [1, 2, 3, 4]) == {1: True, 3: True, 4: True}
