@@ -221,3 +221,9 @@ def main(argv: list[str]) -> int:
         ),
     )
     return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))

@@ -32,7 +32,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TypeVar
 
+from kvtier.enums import Switch as Switch  # re-exported: configs name it with their options
 from kvtier.errors import ConfigError
+from kvtier.tiers.base import TierSection
 from kvtier.units import GiB, parse_size
 
 T = TypeVar("T")
@@ -42,14 +44,6 @@ MAX_SIZE_BYTES = 1 << 62  # far past any machine; larger sizes overflow allocato
 # The one environment variable without the nested form: people type it (issue 12). It is
 # service.data_dir, like KVTIER_SERVICE__DATA_DIR (which wins when both are set).
 DATA_DIR_ENV = "KVTIER_DATA_DIR"
-
-
-class Switch(enum.Enum):
-    """An optional acceleration: force it on, force it off, or use it where it works."""
-
-    AUTO = "auto"
-    ON = "on"
-    OFF = "off"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,20 +78,6 @@ class StoreConfig:
     # tier: the peers' write-through) or "cost" (kvtier.policies' latency-cost model with
     # an SSD write budget; see docs/cost-model.md).
     placement: str = "cost"
-
-
-@dataclass(frozen=True, slots=True)
-class TierSection:
-    """One tier of the hierarchy, top (fastest) first in ``KVTierConfig.tiers``."""
-
-    # Tier kind: host, cxl, gpu (nvme and redis once installed); see docs/configuration.md.
-    kind: str
-    # Name in stats, logs and metrics; defaults to the kind.
-    name: str
-    # Bytes this tier may hold.
-    capacity_bytes: int
-    # The kind's own options, validated against its options class.
-    options: Any = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,7 +48,7 @@ import xxhash
 from typing_extensions import override
 
 from kvtier import codec as kvcodec
-from kvtier.config import Switch
+from kvtier.enums import Switch
 from kvtier.errors import ClosedError, ConfigError, CorruptChunkError, TierIOError
 from kvtier.files import DIR_MODE, FILE_MODE, make_private, make_private_dirs
 from kvtier.tiers.base import SlotRun, Tier, TierFaults, TierProfile
