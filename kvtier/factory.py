@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.config import KVTierConfig, ModelConfig, TierSection
+from kvtier.config import KVTierConfig, ModelConfig
 from kvtier.errors import SpecError
 from kvtier.keys import ChunkHasher, Namespace
 from kvtier.spec import PRESETS, DType, KVSpec, preset
@@ -14,22 +15,6 @@ from kvtier.store.policy import PlacementPolicy, eviction_factory, placement_fac
 from kvtier.store.store import TieredStore
 from kvtier.tiers.base import Tier
 from kvtier.tiers.registry import create_tier
-
-
-def with_nvme_under(cfg: KVTierConfig, directory: str | Path, capacity_bytes: int) -> KVTierConfig:
-    """``cfg`` plus an nvme tier in ``directory``, unless ``cfg`` already has one.
-
-    The tier goes below the local tiers and above any shared one (Redis): a shared tier
-    is the lowest level of the hierarchy.
-    """
-    if any(t.kind == "nvme" for t in cfg.tiers):
-        return cfg
-    from kvtier.tiers.registry import is_shared_kind, tier_options_class
-
-    options = tier_options_class("nvme")(dir=str(directory), create_dirs=True)
-    section = TierSection("nvme", "nvme", capacity_bytes, options)
-    at = next((i for i, t in enumerate(cfg.tiers) if is_shared_kind(t.kind)), len(cfg.tiers))
-    return dataclasses.replace(cfg, tiers=(*cfg.tiers[:at], section, *cfg.tiers[at:]))
 
 
 def spec_from_model(model: ModelConfig) -> KVSpec:
@@ -65,6 +50,7 @@ def build_store(
     chunk_bytes: int | None = None,
     placement: PlacementPolicy | None = None,
     tenant: str = "",
+    clock: Callable[[], float] | None = None,
 ) -> Built:
     """Create the tiers and the store of ``cfg``.
 
@@ -73,6 +59,8 @@ def build_store(
         chunk_bytes: slot size; defaults to the spec's bytes per chunk.
         placement: admission/demotion policy; default: ``store.placement`` of ``cfg``.
         tenant: namespace salt for the hasher.
+        clock: seconds, for the placement's reuse evidence and write budget (trace time
+            when a trace is replayed); wall time when None.
     """
     spec = spec or spec_from_model(cfg.model)
     slot = chunk_bytes or spec.chunk_bytes(cfg.store.chunk_tokens)
@@ -88,7 +76,14 @@ def build_store(
         raise
     if placement is None:
         try:
-            placement = placement_factory(cfg.store.placement)(tiers, spec, cfg.store.chunk_tokens)
+            # [placement] without a model of its own prices the store's [model].
+            settings = dataclasses.replace(
+                cfg.placement, model=cfg.placement.model or cfg.model.name
+            )
+            extra = {} if clock is None else {"clock": clock}
+            placement = placement_factory(cfg.store.placement)(
+                tiers, spec, cfg.store.chunk_tokens, settings=settings, **extra
+            )
         except BaseException:
             for t in tiers:
                 t.close()

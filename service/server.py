@@ -12,6 +12,7 @@ signal is a clean exit: status 0, so ``make serve`` and service managers see no 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import signal
@@ -21,6 +22,8 @@ from types import FrameType
 
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
+from kvtier.tiers.base import TierSection
+from kvtier.tiers.registry import is_shared_kind, tier_options_class
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +111,21 @@ def serve(cfg: KVTierConfig) -> None:
 
 def with_data_dir(cfg: KVTierConfig) -> KVTierConfig:
     """``cfg`` plus an nvme tier under ``service.data_dir``, unless it has one already."""
-    from kvtier.factory import with_nvme_under
-
     s = cfg.service
     if not s.data_dir:
         return cfg
     return with_nvme_under(cfg, Path(s.data_dir).expanduser() / "nvme", s.data_capacity_bytes)
+
+
+def with_nvme_under(cfg: KVTierConfig, directory: str | Path, capacity_bytes: int) -> KVTierConfig:
+    """``cfg`` plus an nvme tier in ``directory``, unless ``cfg`` already has one.
+
+    The tier goes below the local tiers and above any shared one (Redis): a shared tier
+    is the lowest level of the hierarchy.
+    """
+    if any(t.kind == "nvme" for t in cfg.tiers):
+        return cfg
+    options = tier_options_class("nvme")(dir=str(directory), create_dirs=True)
+    section = TierSection("nvme", "nvme", capacity_bytes, options)
+    at = next((i for i, t in enumerate(cfg.tiers) if is_shared_kind(t.kind)), len(cfg.tiers))
+    return dataclasses.replace(cfg, tiers=(*cfg.tiers[:at], section, *cfg.tiers[at:]))

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .handoff import PrefillWaits, Role, handoff_of, producer_params
 from .keys import KeyScheme, request_extra
 from .metadata import (
     KVTierConnectorStats,
@@ -115,6 +116,9 @@ class SchedulerSide:
         mirror_capacity: most keys the mirror lists.
         remote: daemon mode: asks the shared daemon for chunks beyond the mirror (stored by
             other engines).
+        role: vLLM's ``kv_role``: a producer never loads, a consumer never saves
+            (handoff.py).
+        prefill_wait_s: longest wait for a prefill named in ``kv_transfer_params``.
     """
 
     # Daemon mode: how long a request may wait for the workers' salts (they arrive with
@@ -128,6 +132,8 @@ class SchedulerSide:
         world_size: int,
         mirror_capacity: int,
         remote: DaemonLookup | None = None,
+        role: Role = Role.BOTH,
+        prefill_wait_s: float = 0.0,
     ) -> None:
         self.scheme = scheme
         self.hasher = scheme.hasher()
@@ -137,11 +143,15 @@ class SchedulerSide:
         self.world_size = world_size
         self.mirror = KeyMirror(mirror_capacity)
         self.remote = remote
+        self.role = role
+        self.waits = PrefillWaits(prefill_wait_s, shared=remote is not None, role=role)
         self._salt_wait_since: float | None = None
-        # Daemon answers per request: req id -> (first key asked, keys asked, hits). vLLM
-        # asks again for a request it could not place; one round trip per request is
-        # enough (and repeated lookups would count as repeated misses on the daemon).
-        self._remote_memo: dict[str, tuple[bytes, int, int]] = {}
+        # Daemon lookups per request: req id -> (last key asked, when). What the daemon
+        # held went into the mirror. vLLM asks again for a request it could not place;
+        # one round trip per request is enough (and repeated lookups would count as
+        # repeated misses on the daemon), except while the request waits for a named
+        # prefill (one per PrefillWaits.POLL_S).
+        self._remote_memo: dict[str, tuple[bytes, float]] = {}
         # key -> [ranks confirmed, ranks failed], for saves in flight.
         self._pending: dict[bytes, list[int]] = {}
         self._reqs: dict[str, _Req] = {}
@@ -170,40 +180,60 @@ class SchedulerSide:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         keys = self._keys(request)
+        rid = request.request_id
+        limit = (request.num_tokens - 1) // self.chunk_tokens
+        if not self.role.loads:
+            # A producer computes every token. It asks the daemon only so that it does not
+            # save again what another engine stored (_remote_hits adds it to the mirror).
+            n = matched_chunks(keys, request.num_tokens, self.chunk_tokens, self.mirror, {})
+            if self.remote is not None and n is not None and n < limit and self.remote.ready():
+                self._remote_hits(rid, keys[n:limit])
+            return 0, False
         n = matched_chunks(keys, request.num_tokens, self.chunk_tokens, self.mirror, self._pending)
         if n is None:
             return None, False
-        if self.remote is not None:
-            limit = (request.num_tokens - 1) // self.chunk_tokens
-            if n < limit and keys[n] not in self._pending:
-                more = self._remote_hits(request.request_id, keys[n:limit])
-                if more is None:
-                    return None, False
-                n += more
-        self._lookup[request.request_id] = (num_computed_tokens, n)
+        handoff = handoff_of(request.kv_transfer_params, rid)
+        if self.remote is not None and n < limit and keys[n] not in self._pending:
+            more = self._remote_hits(rid, keys[n:limit], repoll=self.waits.is_waiting(rid))
+            if more is None:
+                return None, False
+            n += more
+        if handoff is not None and self.waits.should_wait(
+            rid, handoff, keys, n, limit, time.monotonic()
+        ):
+            return None, False
+        self.waits.settled(rid, n, limit)
+        self._lookup[rid] = (num_computed_tokens, n)
         hit = n * self.chunk_tokens - num_computed_tokens
         # Loads are synchronous (before this step's forward): on a CPU engine the copy
         # from host memory takes far less than a step, and the request runs at once.
         return (hit, False) if hit > 0 else (0, False)
 
-    def _remote_hits(self, req_id: str, keys: list[bytes]) -> int | None:
-        """Chunks the daemon holds beyond the mirror; None to ask again next step."""
+    def _remote_hits(self, req_id: str, keys: list[bytes], repoll: bool = False) -> int | None:
+        """Chunks the daemon holds beyond the mirror; None to ask again next step.
+
+        What the daemon holds joins the mirror: a later request with those chunks that
+        vLLM serves from its own prefix cache must not save them again.
+        """
         remote = self.remote
         assert remote is not None
         memo = self._remote_memo.get(req_id)
-        if memo is not None and memo[0] == keys[0] and memo[1] == len(keys):
-            return memo[2]
+        now = time.monotonic()
+        fresh = memo is not None and not (repoll and now - memo[1] >= PrefillWaits.POLL_S)
+        if memo is not None and memo[0] == keys[-1] and fresh:
+            return 0  # asked already: what it held is in the mirror now
         if not remote.ready():
             # The workers' salts come with the first step's metadata (vLLM runs steps
             # while a request waits); bounded, so a silent worker only costs misses.
-            now = time.monotonic()
             if self._salt_wait_since is None:
                 self._salt_wait_since = now
             if now - self._salt_wait_since < self.SALT_WAIT_S:
                 return None
             return 0
         hits = remote.hits(keys)
-        self._remote_memo[req_id] = (keys[0], len(keys), hits)
+        self._remote_memo[req_id] = (keys[-1], now)
+        for key in keys[:hits]:
+            self.mirror.add(key)
         return hits
 
     def update_state_after_alloc(
@@ -246,6 +276,10 @@ class SchedulerSide:
     # -- per step -------------------------------------------------------------------------
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVTierMetadata:
+        if self.waits.waiting and so.total_num_scheduled_tokens == 0:
+            # Nothing runs but requests waiting for a prefill: vLLM would spin through
+            # empty steps. A short pause frees the CPU and delays nothing that is queued.
+            time.sleep(PrefillWaits.POLL_S)
         meta = KVTierMetadata(loads=self._loads, preempted=frozenset(so.preempted_req_ids or ()))
         self._loads = []
         for new in so.scheduled_new_reqs:
@@ -269,6 +303,8 @@ class SchedulerSide:
         return meta
 
     def _plan_saves(self, st: _Req, n_sched: int, meta: KVTierMetadata) -> None:
+        if not self.role.saves:
+            return  # a consumer: what it computes stays in vLLM's own cache
         req = st.request
         C = self.chunk_tokens
         # num_computed_tokens is not yet advanced: after this step it grows by n_sched.
@@ -304,7 +340,19 @@ class SchedulerSide:
         self._lookup.pop(rid, None)
         self._memo.pop(rid, None)
         self._remote_memo.pop(rid, None)
-        return (st is not None and st.had_saves), None
+        self.waits.forget(rid)
+        params = self._handoff(st) if st is not None and self.role is Role.PRODUCER else None
+        return (st is not None and st.had_saves), params
+
+    def _handoff(self, st: _Req) -> dict[str, Any] | None:
+        """A producer's answer for the consumer: the leading chunks stored or being saved."""
+        limit = (st.request.num_prompt_tokens - 1) // self.chunk_tokens
+        n = 0
+        for key in st.keys[:limit]:
+            if key not in self.mirror and key not in self._pending:
+                break  # a save that failed, or a chunk this request never completed
+            n += 1
+        return producer_params(n, st.keys[n - 1]) if n else None
 
     def update_connector_output(self, worker_meta: KVTierWorkerMeta | None) -> None:
         if worker_meta is None:

@@ -24,8 +24,9 @@ from rich.table import Table
 
 from kvtier.cli.console import stdout_console
 from kvtier.config import KVTierConfig
-from kvtier.factory import build_store, with_nvme_under
+from kvtier.factory import build_store
 from kvtier.keys import ChunkKey
+from kvtier.service.server import with_nvme_under
 from kvtier.units import format_size
 
 TRACE_BLOCK_TOKENS = 512

@@ -4,7 +4,8 @@ Two narrow ABCs:
 
 * :class:`EvictionPolicy` orders one tier's chunks, coldest first.
 * :class:`PlacementPolicy` decides where a new chunk goes, and where a victim goes
-  when its tier needs room (one tier down, or dropped).
+  when its tier needs room (one tier down, or dropped). The store lets it see free room
+  and coldest chunks of every tier through a read-only :class:`TierView`.
 
 Policies are called under the store's lock: they must be fast and must not call back
 into the store. Eviction is atomic at the store level: a make-room pass frees exactly
@@ -13,15 +14,14 @@ the victims it marked, or leaves every chunk where it was.
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from importlib.metadata import entry_points
+from typing import Protocol, cast
 
 from typing_extensions import override
 
-from kvtier.errors import ConfigError, PluginError
+from kvtier import plugins
 from kvtier.keys import ChunkKey
 
 
@@ -70,8 +70,23 @@ class LRUEviction(EvictionPolicy):
         return iter(self._order)  # the store never mutates while it iterates
 
 
+class TierView(Protocol):
+    """What a placement may see of the store's tiers. Called under the store's lock."""
+
+    def free_slots(self, tier: int) -> int:
+        """Slots of ``tier`` free now."""
+        ...
+
+    def coldest(self, tier: int, n: int) -> Sequence[ChunkKey]:
+        """Up to ``n`` chunks ``tier`` would evict next (pinned and busy ones skipped)."""
+        ...
+
+
 class PlacementPolicy(ABC):  # noqa: B024 - every hook has a sane default; subclass what you need
     """Where chunks go. The default keeps everything and demotes one tier at a time."""
+
+    def bind(self, view: TierView) -> None:  # noqa: B027 - optional hook
+        """The store this policy drives was built; ``view`` shows its tiers' room."""
 
     def admit(self, tier: int, keys: Sequence[ChunkKey], value_bytes: int) -> bool:
         """May these new chunks be written into ``tier``? Default: yes."""
@@ -98,44 +113,20 @@ class WriteThrough(PlacementPolicy):
 
 EvictionFactory = Callable[[], EvictionPolicy]
 PlacementFactory = Callable[..., PlacementPolicy]
-"""Builds a placement from ``(tiers, spec, chunk_tokens)`` of the store it will drive."""
+"""Builds a placement from ``(tiers, spec, chunk_tokens)`` of the store it will drive, with
+keywords ``settings`` (the ``[placement]`` section) and, when replaying a trace, ``clock``."""
 
-BUILTIN_EVICTION: dict[str, str] = {"lru": "kvtier.store.policy:LRUEviction"}
 
-
-def _keep(*_args: object) -> PlacementPolicy:
+def keep_everything(*_args: object, **_kwargs: object) -> PlacementPolicy:
+    """The ``keep`` placement: :class:`WriteThrough`, whatever the store."""
     return WriteThrough()
 
 
 def placement_factory(name: str) -> PlacementFactory:
-    """Resolve a placement by name: ``keep``, then the ``kvtier.placement`` entry points."""
-    if name == "keep":
-        return _keep
-    for ep in entry_points(group="kvtier.placement"):
-        if ep.name == name:
-            try:
-                factory: PlacementFactory = ep.load()
-            except (ImportError, AttributeError) as exc:
-                raise PluginError(
-                    f"placement {name!r} ({ep.value}) cannot be loaded: {exc}"
-                ) from exc
-            return factory
-    names = ["keep", *(ep.name for ep in entry_points(group="kvtier.placement"))]
-    raise ConfigError("store.placement", name, f"one of {sorted(names)}")
+    """Resolve a placement by name (:data:`kvtier.plugins.BUILTIN`, then plugins)."""
+    return cast(PlacementFactory, plugins.load(plugins.PLACEMENT, name, "store.placement"))
 
 
 def eviction_factory(name: str) -> EvictionFactory:
-    """Resolve an eviction policy by name: built-ins, then the ``kvtier.eviction`` entry points."""
-    path = BUILTIN_EVICTION.get(name)
-    if path is None:
-        for ep in entry_points(group="kvtier.eviction"):
-            if ep.name == name:
-                path = ep.value
-    if path is None:
-        raise ConfigError("store.eviction", name, f"one of {sorted(BUILTIN_EVICTION)} or a plugin")
-    module, _, attr = path.partition(":")
-    try:
-        factory: EvictionFactory = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise PluginError(f"eviction policy {name!r} ({path}) cannot be loaded: {exc}") from exc
-    return factory
+    """Resolve an eviction policy by name (:data:`kvtier.plugins.BUILTIN`, then plugins)."""
+    return cast(EvictionFactory, plugins.load(plugins.EVICTION, name, "store.eviction"))
