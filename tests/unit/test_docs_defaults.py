@@ -32,10 +32,13 @@ DEFAULT = load_config(env={})
 # Heading of a table in docs/configuration.md -> (where the defaults come from, keys the
 # table does not list on purpose).
 SECTIONS: dict[str, tuple[Any, set[str]]] = {
-    "## Top level": (DEFAULT, {"model", "store", "tiers", "service"}),
+    # The top-level table lists plain keys; each section has its own table below.
+    "## Top level": (DEFAULT, {f.name for f in dataclasses.fields(KVTierConfig)
+                               if dataclasses.is_dataclass(getattr(DEFAULT, f.name))} | {"tiers"}),
     "## `[model]`": (DEFAULT.model, set()),
     "## `[store]`": (DEFAULT.store, set()),
     "## `[service]`": (DEFAULT.service, set()),
+    "## `[placement]`": (DEFAULT.placement, set()),
     '### `kind = "host"`': ("host", set()),
     '### `kind = "cxl"`': ("cxl", set()),
     '### `kind = "gpu"`': ("gpu", set()),
