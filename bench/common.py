@@ -95,4 +95,5 @@ def envelope(name: str, rows: list[dict[str, Any]], **extra: Any) -> dict[str, A
 
 def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:
     if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)  # --json ~/results/x.json
         Path(path).write_text(json.dumps(payload, indent=2))
