@@ -199,7 +199,7 @@ class _Backend:
     restart: Callable[[], None]
 
 
-def _wait_held(eng: Any, tokens: list[int], backend: str, timeout_s: float = 600.0) -> int:
+def _wait_held(eng: Any, tokens: list[int], backend: str, timeout_s: float = 120.0) -> int:
     deadline = time.monotonic() + timeout_s
     while True:
         n = int(eng.lookup(tokens, search_range=[backend]))
@@ -222,21 +222,26 @@ def _run_backend(
         row["stored_tokens"] = held
         row["store_GBps"] = nbytes / store_s / 1e9
         times: list[float] = []
-        ok = held == len(tokens)
+        got: list[int] = []
+        ok = True
         for _ in range(repeat + 1):  # the first is a warm-up
             eng.clear(locations=["LocalCPUBackend"])
             out = torch.zeros(nbytes, dtype=torch.uint8)
             t0 = time.perf_counter()
             mask = eng.retrieve(tokens, out=out)
             times.append(time.perf_counter() - t0)
-            got = int(mask.sum())
-            ok = ok and got == len(tokens) and bool(torch.equal(out, kv))
+            n = int(mask.sum()) * TOKEN_BYTES
+            got.append(n // TOKEN_BYTES)
+            # Correctness over what came back; a short retrieve shows in retrieved_tokens.
+            ok = ok and bool(torch.equal(out[:n], kv[:n]))
+        row["retrieved_tokens"] = min(got)
+        row["complete"] = held == len(tokens) and min(got) == len(tokens)
         row["retrieve_s"] = {
             "median": statistics.median(times[1:]),
             "min": min(times[1:]),
             "max": max(times[1:]),
         }
-        row["retrieve_GBps"] = nbytes / row["retrieve_s"]["median"] / 1e9
+        row["retrieve_GBps"] = min(got) * TOKEN_BYTES / row["retrieve_s"]["median"] / 1e9
         row["bytes_equal"] = ok
     b.restart()
     with engines.engine(b.config()) as eng:
@@ -353,7 +358,7 @@ def main(argv: list[str]) -> int:
             r = rows[-1]
             print(
                 f"{r['backend']:18} store {r['store_GBps']:6.2f} GB/s  retrieve {r['retrieve_GBps']:6.2f} GB/s  "
-                f"bytes equal {r['bytes_equal']}  hits after restart {r['hit_rate_after_restart']:.0%}",
+                f"complete {r['complete']}  bytes equal {r['bytes_equal']}  hits after restart {r['hit_rate_after_restart']:.0%}",
                 flush=True,
             )
     finally:
