@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import enum
 import ipaddress
+import math
 import os
 import re
 import tomllib
@@ -39,6 +40,7 @@ from kvtier.units import GiB, parse_size
 T = TypeVar("T")
 
 ENV_PREFIX = "KVTIER_"
+MAX_SIZE_BYTES = 1 << 62  # far past any machine; larger sizes overflow allocators
 # The one environment variable without the nested form: people type it (issue 12). It is
 # service.data_dir, like KVTIER_SERVICE__DATA_DIR (which wins when both are set).
 DATA_DIR_ENV = "KVTIER_DATA_DIR"
@@ -79,6 +81,46 @@ class StoreConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PlacementConfig:
+    """The economics behind ``store.placement = "cost"`` (docs/cost-model.md).
+
+    ``kvtier calc --write-config`` fills this section with the plan it chose.
+    """
+
+    # $ per second of a user's waiting (TTFT) that a hit saves, on top of the GPU's own
+    # cost. The default prices a second of waiting like a second of one H200 ($3.60/h);
+    # 0 values GPU time only (batch work). Reasoning: docs/cost-model.md, section 1.
+    value_of_latency_per_s: float = 0.001
+    # Prices and speeds of the tiers (kvtier calc's --hardware): a preset
+    # (h200-dram-nvme, h200-dram-cxl-nvme, h200-dram-qlc, h200-dram-redis) or a hardware
+    # TOML file. Each tier takes the entry of the same name, else the first of its
+    # medium (host: DRAM, cxl: CXL, nvme: SSD, redis: remote).
+    hardware: str = "h200-dram-nvme"
+    # Model whose prefill a hit saves: a preset (llama-3-8b, ...) or a config.json path.
+    # Empty: [model].name.
+    model: str = ""
+    # GPUs that prefill one request; 0: the model preset's count.
+    gpus: int = 0
+    # The GPU that recomputes: dense peak FLOP/s, the share of it prefill reaches, and
+    # $ per GPU-hour (defaults: an H200 SXM at 50% MFU and $3.50/h).
+    gpu_peak_flops: float = 989e12
+    gpu_mfu: float = 0.5
+    gpu_cost_per_hour: float = 3.5
+    # Typical tokens of context before a chunk: a chunk deep in a long prompt costs more
+    # to recompute (the attention term).
+    context_tokens: int = 8192
+    # Seconds to recompute one chunk. 0: from the model, the GPU and context_tokens.
+    # kvtier calc writes the average over its workload here.
+    recompute_s: float = 0.0
+    # SSD write budget: drive writes per day of each wearing tier's capacity that
+    # demotions may spend (0.8 = 80% of a 1-DWPD drive's rating).
+    write_budget_dwpd: float = 0.8
+    # Window over which the budget holds, seconds (60 .. 86400): in any window at most
+    # write_budget_dwpd x capacity x window / 1 day is written by demotions.
+    write_budget_window_s: float = 86400.0
+
+
+@dataclass(frozen=True, slots=True)
 class ServiceConfig:
     """The REST daemon (``kvtier serve``): where it listens, who may use it, its limits."""
 
@@ -101,6 +143,14 @@ class ServiceConfig:
     max_body_bytes: int = 256 * 1024 * 1024
     # Most keys in one lookup, batch get or batch put.
     max_batch_keys: int = 1024
+    # Bound on the bytes of all request bodies (and batch-get answers) in flight
+    # together; past it a request is answered 503 with Retry-After. At least
+    # max_body_bytes.
+    max_inflight_bytes: int = 1 * GiB
+    # Largest request head (request line and headers), in bytes; larger: 431.
+    max_header_bytes: int = 32 * 1024
+    # Seconds a client may take to send a request's head; slower: the connection closes.
+    header_timeout_s: float = 10.0
     # Seconds uvicorn waits for in-flight requests on shutdown before closing the store.
     shutdown_timeout_s: float = 10.0
     # A directory for what must outlive the process: when set and no [[tiers]] entry is
@@ -120,6 +170,7 @@ class KVTierConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     tiers: tuple[TierSection, ...] = ()
     service: ServiceConfig = field(default_factory=ServiceConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     # Python logging level name for kvtier's loggers.
     log_level: str = "INFO"
 
@@ -205,6 +256,9 @@ def set_dotted(raw: dict[str, Any], dotted: str, value: object, *, source: str) 
             idx = _index(part, node, source)
             node = node[idx]
             continue
+        if not isinstance(node, dict):
+            where = ".".join(parts[:i])
+            raise ConfigError(source, value, f"a path into a table, but {where!r} is not one")
         if part not in node:
             node[part] = [] if nxt.isdigit() else {}
         node = node[part]
@@ -221,6 +275,8 @@ def _index(part: str, node: list[Any], source: str) -> int:
     if not part.isdigit():
         raise ConfigError(source, part, "a list index")
     idx = int(part)
+    if idx > len(node):  # one past the end adds an entry; further would allocate unbounded
+        raise ConfigError(source, part, f"a list index of at most {len(node)} (the next entry)")
     while len(node) <= idx:  # KVTIER_TIERS__1__... may add a tier
         node.append({})
     return idx
@@ -251,6 +307,9 @@ def parse_config(raw: Mapping[str, Any]) -> KVTierConfig:
             if key not in known:
                 raise ConfigError(f"{where}.{key}", t[key], _known_keys(key, known, f"{kind} tier"))
         name = str(t.pop("name", kind))
+        if not _TIER_NAME_RE.fullmatch(name):
+            # Names become file names (slab files, index directories): no paths.
+            raise ConfigError(f"{where}.name", name, "an identifier of [A-Za-z0-9_-], 1-64 chars")
         if "capacity_bytes" not in t:
             raise ConfigError(f"{where}.capacity_bytes", None, "a size such as '4GiB'")
         capacity = _coerce(t.pop("capacity_bytes"), int, f"{where}.capacity_bytes")
@@ -279,9 +338,30 @@ def _validate(cfg: KVTierConfig) -> None:
     if not 0 <= cfg.model.tp_rank < cfg.model.tp_size:
         raise ConfigError("model.tp_rank", cfg.model.tp_rank, f"in [0, {cfg.model.tp_size})")
     _validate_service(cfg.service)
+    _validate_placement(cfg.placement)
+
+
+def _validate_placement(p: PlacementConfig) -> None:
+    for name in ("value_of_latency_per_s", "gpu_cost_per_hour", "recompute_s",
+                 "write_budget_dwpd"):
+        v = getattr(p, name)
+        if not v >= 0 or v == float("inf"):
+            raise ConfigError(f"placement.{name}", v, "a finite number >= 0")
+    if not p.gpu_peak_flops > 0 or p.gpu_peak_flops == float("inf"):
+        raise ConfigError("placement.gpu_peak_flops", p.gpu_peak_flops, "a number > 0")
+    if not 0 < p.gpu_mfu <= 1:
+        raise ConfigError("placement.gpu_mfu", p.gpu_mfu, "in (0, 1]")
+    if p.gpus < 0:
+        raise ConfigError("placement.gpus", p.gpus, "0 (the preset's) or more")
+    if p.context_tokens < 0:
+        raise ConfigError("placement.context_tokens", p.context_tokens, "an integer >= 0")
+    if not 60 <= p.write_budget_window_s <= 86400:
+        raise ConfigError("placement.write_budget_window_s", p.write_budget_window_s,
+                          "in [60, 86400] seconds")
 
 
 _TENANT_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
+_TIER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 MIN_TOKEN_CHARS = 16
 
 
@@ -331,6 +411,16 @@ def _validate_service(s: ServiceConfig) -> None:
         raise ConfigError("service.data_capacity_bytes", s.data_capacity_bytes, "a positive size")
     if s.shutdown_timeout_s < 0:
         raise ConfigError("service.shutdown_timeout_s", s.shutdown_timeout_s, "a number >= 0")
+    if s.max_inflight_bytes < s.max_body_bytes:
+        raise ConfigError(
+            "service.max_inflight_bytes",
+            s.max_inflight_bytes,
+            f"at least service.max_body_bytes ({s.max_body_bytes})",
+        )
+    if not 1024 <= s.max_header_bytes <= 1 << 24:
+        raise ConfigError("service.max_header_bytes", s.max_header_bytes, "a size in [1KiB, 16MiB]")
+    if not 0 < s.header_timeout_s <= 3600:
+        raise ConfigError("service.header_timeout_s", s.header_timeout_s, "seconds in (0, 3600]")
 
 
 def build_dataclass(cls: type[T], raw: Mapping[str, Any], where: str) -> T:
@@ -404,7 +494,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if hint is int:
         try:
             if key.endswith("_bytes"):
-                return parse_size(value)
+                size = parse_size(value)
+                if not 0 <= size <= MAX_SIZE_BYTES:
+                    raise ConfigError(key, value, "a size from 0 to 4EiB")
+                return size
             if isinstance(value, (bool, float)):
                 raise ValueError
             return int(value)
@@ -415,9 +508,12 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         try:
             if isinstance(value, bool):
                 raise ValueError
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(key, value, "a number") from None
+        if not math.isfinite(number):
+            raise ConfigError(key, value, "a finite number")
+        return number
     if hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
