@@ -141,6 +141,7 @@ class NVMeTier(Tier):
     """
 
     kind = "nvme"
+    persistent = True
 
     def __init__(
         self,
