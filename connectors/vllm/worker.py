@@ -39,6 +39,7 @@ from .metadata import (
     LoadOp,
     SaveOp,
 )
+from .mirror import IndexFeed
 from .mover import BlockMover, select_mover
 from .remote import DaemonSettings, RemoteStore
 from .settings import rank_keys, rank_salt
@@ -78,6 +79,8 @@ class WorkerSide:
         # worker metadata so that it can look up other engines' chunks (remote.py).
         self._announce: frozenset[bytes] = frozenset()
         self._salt = b""
+        # Embedded store: its index changes, forwarded to the scheduler's mirror.
+        self._feed: IndexFeed | None = None
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-save")
         self._lock = threading.Condition()
         self._outstanding: dict[str, int] = defaultdict(int)  # req id -> queued save ops
@@ -110,6 +113,7 @@ class WorkerSide:
             self._announce = frozenset({self._salt})
         else:
             self.store = build_store(self.cfg, spec=self.spec, chunk_bytes=value_bytes).store
+            self._feed = IndexFeed(self.store)
         log.info(
             "kvtier worker: %s, %d layers, %d B per block-layer (%s), chunk %d tokens = %d B; "
             "tiers %s",
@@ -232,7 +236,16 @@ class WorkerSide:
 
     def build_worker_meta(self) -> KVTierWorkerMeta | None:
         with self._lock:
-            meta = KVTierWorkerMeta(self._stored, self._failed, self._missing, self._announce)
+            # Taken under the lock, with the confirmations: a save's evictions (events of
+            # its put, recorded before it completed) then never arrive after them.
+            update = self._feed.take() if self._feed is not None else None
+            meta = KVTierWorkerMeta(
+                self._stored,
+                self._failed,
+                self._missing,
+                self._announce,
+                {self._salt: update} if update is not None else {},
+            )
             self._stored, self._failed, self._missing = {}, {}, set()
         return None if meta.is_empty() else meta
 
