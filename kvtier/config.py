@@ -170,13 +170,7 @@ def load_config(
     """
     raw = copy.deepcopy(base) if base is not None else default_toml()
     if path is not None:
-        try:
-            file_raw = tomllib.loads(Path(path).read_text())
-        except OSError as exc:
-            raise ConfigError("config_file", str(path), f"a readable TOML file ({exc})") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError("config_file", str(path), f"valid TOML ({exc})") from exc
-        raw = merge(raw, file_raw)
+        raw = merge(raw, read_toml(path))
     environ = os.environ if env is None else env
     for name, value in sorted(environ.items()):
         if name.startswith(ENV_PREFIX) and "__" in name:
@@ -188,6 +182,20 @@ def load_config(
             raise ConfigError("--set", item, "key.path=value")
         set_dotted(raw, key.strip(), value.strip(), source=f"--set {key.strip()}")
     return parse_config(raw)
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A kvtier TOML file, parsed (the one reader of config files).
+
+    Raises:
+        ConfigError: the file cannot be read, or is not valid TOML (key ``config_file``).
+    """
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError("config_file", str(path), f"a readable TOML file ({exc})") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config_file", str(path), f"valid TOML ({exc})") from exc
 
 
 def merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

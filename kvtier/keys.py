@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import array
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
@@ -116,6 +116,30 @@ class ChunkHasher:
             prev = ChunkKey(h.digest())
             out.append(prev)
         return out
+
+
+def check_keys(keys: Iterable[object]) -> list[ChunkKey]:
+    """``keys`` as a list, after checking that each is a key of :data:`KEY_BYTES` bytes.
+
+    The store's public methods call this first: a key of another length would be
+    truncated or padded by a persistent tier's journal, and after a reopen its value
+    would be served under a key never put (issue 11).
+
+    Raises:
+        InputError: ``keys`` is not an iterable of keys, or one key is not 16 bytes.
+    """
+    not_keys = f"keys must be a sequence of chunk keys, got {type(keys).__name__}"
+    if keys is None or isinstance(keys, (str, bytes, bytearray, memoryview)):
+        raise InputError(not_keys)
+    try:
+        out = list(keys)
+    except TypeError:
+        raise InputError(not_keys) from None
+    for i, k in enumerate(out):
+        if not isinstance(k, bytes) or len(k) != KEY_BYTES:
+            got = f"{len(k)} bytes" if isinstance(k, bytes) else f"a {type(k).__name__}"
+            raise InputError(f"chunk key {i} is {got}; a key is {KEY_BYTES} bytes")
+    return out  # type: ignore[return-value]  # checked above: bytes of the key's length
 
 
 def parse_key(text: str) -> ChunkKey:

@@ -2,7 +2,7 @@
 
 See docs/connector.md. Reading ``KVTierConnector`` (as vLLM's connector factory does,
 with ``getattr`` on this module) imports vLLM; the vLLM-free parts (``mover``,
-``settings``) import without it, so the CUDA data path is testable where vLLM is absent.
+``keys``, ``settings``) import without it, so the CUDA data path is testable where vLLM is absent.
 """
 
 from __future__ import annotations

@@ -32,15 +32,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.errors import SpecError
 from kvtier.spec import DType, KVSpec
 
+from .keys import KeyScheme
 from .metadata import KVTierConnectorStats, KVTierMetadata, KVTierWorkerMeta
-from .remote import DaemonLookup, RemoteStore, daemon_from_extra
+from .remote import DaemonLookup, RemoteStore
 from .scheduler import SchedulerSide
-from .settings import (
-    KeyScheme,
-    check_chunk_tokens,
-    config_from_extra,
-    mirror_capacity,
-)
+from .settings import ChunkShape, config_from_extra, daemon_from_extra, mirror_capacity
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -104,8 +100,7 @@ class KVTierConnector(KVConnectorBase_V1):
         ktc = self._kv_transfer_config
         self.cfg = config_from_extra(ktc.kv_connector_extra_config or {})
         self.daemon = daemon_from_extra(ktc.kv_connector_extra_config or {})
-        block_size = int(vllm_config.cache_config.block_size)
-        check_chunk_tokens(self.cfg.store.chunk_tokens, block_size)
+        shape = ChunkShape.of(self.cfg.store.chunk_tokens, int(vllm_config.cache_config.block_size))
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
             raise SpecError(
                 "kvtier's vLLM connector supports one KV-cache group (plain attention models); "
@@ -132,7 +127,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 )
             self._sched = SchedulerSide(
                 scheme,
-                block_size,
+                shape,
                 world_size=vllm_config.parallel_config.world_size,
                 mirror_capacity=mirror_capacity(
                     self.cfg, per_rank.chunk_bytes(self.cfg.store.chunk_tokens)
@@ -144,7 +139,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
             rank_spec = replace(spec, tp_rank=get_tensor_model_parallel_rank())
             self._worker = WorkerSide(
-                self.cfg, rank_spec, get_pp_group().rank_in_group, block_size, self.daemon
+                self.cfg, rank_spec, get_pp_group().rank_in_group, shape, self.daemon
             )
 
     # -- helpers --------------------------------------------------------------------------

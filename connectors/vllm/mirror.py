@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .settings import rank_keys
+from .keys import rank_keys
 
 if TYPE_CHECKING:
     from kvtier.store.store import TieredStore

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -35,6 +35,9 @@ import numpy as np
 from kvtier.errors import ConfigError, InputError, KVTierError
 from kvtier.store.types import GetResult, LookupResult, PutResult
 
+from .keys import rank_keys
+from .settings import DaemonSettings
+
 if TYPE_CHECKING:
     from kvtier.service.client import Client
 
@@ -42,53 +45,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-URL_KEY = "url"
-TOKEN_KEY = "token"
-TIMEOUT_KEY = "daemon_timeout_s"
-DAEMON_KEYS = frozenset({URL_KEY, TOKEN_KEY, TIMEOUT_KEY})
-
 LOG_EVERY_S = 30.0
 FIRST_HOLD_S = 0.5
 MAX_HOLD_S = 5.0
 TIER_NAME = "daemon"
-
-
-@dataclass(frozen=True, slots=True)
-class DaemonSettings:
-    """Where the shared daemon is, and how long a step may wait for it.
-
-    Attributes:
-        url: the daemon's base URL, e.g. ``http://127.0.0.1:8470``.
-        token: bearer token of the tenant; None for a daemon without tokens (loopback).
-        timeout_s: read/write timeout of one request, in seconds (connect: half of it).
-    """
-
-    url: str
-    token: str | None = None
-    timeout_s: float = 1.0
-
-
-def daemon_from_extra(extra: Mapping[str, Any]) -> DaemonSettings | None:
-    """The daemon settings of a connector's extra config, or None for the embedded store.
-
-    Raises:
-        ConfigError: a ``url`` that is not http(s), or a non-positive timeout.
-    """
-    url = extra.get(URL_KEY)
-    if not url:
-        if extra.get(TOKEN_KEY):
-            raise ConfigError(TOKEN_KEY, "***", "set together with 'url'")
-        return None
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise ConfigError(URL_KEY, url, "an http:// or https:// URL of a kvtier daemon")
-    try:
-        timeout_s = float(extra.get(TIMEOUT_KEY, 1.0))
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(TIMEOUT_KEY, extra.get(TIMEOUT_KEY), "seconds > 0") from exc
-    if timeout_s <= 0:
-        raise ConfigError(TIMEOUT_KEY, timeout_s, "seconds > 0")
-    token = extra.get(TOKEN_KEY) or None
-    return DaemonSettings(url, str(token) if token else None, timeout_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,8 +242,6 @@ class DaemonLookup:
 
     def hits(self, logical: Sequence[bytes]) -> int:
         """Leading chunks of ``logical`` that every rank holds in the daemon."""
-        from .settings import rank_keys
-
         n = len(logical)
         for salt in sorted(self.salts):
             if n == 0:

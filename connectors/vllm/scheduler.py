@@ -25,6 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .keys import KeyScheme, request_extra
 from .metadata import (
     KVTierConnectorStats,
     KVTierMetadata,
@@ -33,7 +34,6 @@ from .metadata import (
     SaveOp,
 )
 from .mirror import StoreMirror
-from .settings import KeyScheme, request_extra
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from .remote import DaemonLookup
+    from .settings import ChunkShape
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ class SchedulerSide:
 
     Args:
         scheme: the key scheme (model, spec, chunk size).
-        block_size: vLLM's block size, in tokens.
+        shape: how chunks tile vLLM's blocks.
         world_size: workers that each hold their own store (TP x PP); a key is loadable
             once all of them confirmed it.
         mirror_capacity: most keys the daemon-mode mirror lists.
@@ -147,7 +148,7 @@ class SchedulerSide:
     def __init__(
         self,
         scheme: KeyScheme,
-        block_size: int,
+        shape: ChunkShape,
         world_size: int,
         mirror_capacity: int,
         remote: DaemonLookup | None = None,
@@ -155,8 +156,8 @@ class SchedulerSide:
         self.scheme = scheme
         self.hasher = scheme.hasher()
         self.chunk_tokens = scheme.chunk_tokens
-        self.block_size = block_size
-        self.blocks_per_chunk = scheme.chunk_tokens // block_size
+        self.block_size = shape.block_size
+        self.blocks_per_chunk = shape.blocks_per_chunk
         self.world_size = world_size
         self.mirror: KeyMirror | StoreMirror = (
             KeyMirror(mirror_capacity) if remote is not None else StoreMirror(world_size)

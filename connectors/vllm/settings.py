@@ -1,4 +1,4 @@
-"""The connector's configuration and key scheme. Imports nothing from vLLM.
+"""The connector's configuration. Imports nothing from vLLM or from the connector's other modules.
 
 Configuration: ``kv_connector_extra_config`` holds ``config_file`` (a kvtier TOML)
 and/or inline kvtier settings, either dotted (``"store.chunk_tokens": 64``) or nested
@@ -7,36 +7,25 @@ Layering: embedded default, then the file, then the nested tables, then ``KVTIER
 environment variables, then the dotted keys. Both sides of vLLM load the same
 configuration from the same JSON, so they agree on chunk size and capacity.
 
-Keys, in two levels:
-
-* The **logical key** of a chunk is :class:`kvtier.keys.ChunkHasher` over the request's
-  token ids, seeded by (model, rank-0 KV spec, chunk size) with the LoRA name and the
-  cache salt in the extra bytes. The scheduler side computes it; it is the same on every
-  rank, in every process, after every restart.
-* The **rank key** is what a worker stores under: a hash of the logical key with that
-  worker's KV-spec fingerprint (which holds the TP rank and size), its pipeline stage and
-  the byte layout of its pages. Each rank holds only its own heads and layers, so ranks
-  never share entries, and two layouts (or dtypes) never read each other's bytes.
+Daemon mode (remote.py): ``url``, ``token`` and ``daemon_timeout_s`` name a running
+``kvtier serve`` instead of an embedded store; they are the connector's own keys, not
+kvtier settings.
 """
 
 from __future__ import annotations
 
-import tomllib
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-import xxhash
-
-from kvtier.config import KVTierConfig, default_toml, load_config, merge
+from kvtier.config import KVTierConfig, default_toml, load_config, merge, read_toml
 from kvtier.errors import ConfigError
-from kvtier.keys import ChunkHasher, ChunkKey, Namespace
-from kvtier.spec import KVSpec
-
-from .remote import DAEMON_KEYS
 
 CONFIG_FILE_KEY = "config_file"
+URL_KEY = "url"
+TOKEN_KEY = "token"
+TIMEOUT_KEY = "daemon_timeout_s"
+DAEMON_KEYS = frozenset({URL_KEY, TOKEN_KEY, TIMEOUT_KEY})
 
 # How many more chunks the scheduler's mirror of the store may list than the store can
 # hold. The mirror learns about evictions lazily (a failed load removes the key), so it
@@ -56,16 +45,11 @@ def config_from_extra(
     raw = default_toml()
     path = extra.get(CONFIG_FILE_KEY)
     if path:
-        try:
-            raw = merge(raw, tomllib.loads(Path(path).read_text()))
-        except OSError as exc:
-            raise ConfigError(CONFIG_FILE_KEY, str(path), f"a readable TOML file ({exc})") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(CONFIG_FILE_KEY, str(path), f"valid TOML ({exc})") from exc
+        raw = merge(raw, read_toml(path))
     nested: dict[str, Any] = {}
     dotted: list[str] = []
     for key, value in extra.items():
-        if key == CONFIG_FILE_KEY or key in DAEMON_KEYS:  # daemon mode: see remote.py
+        if key == CONFIG_FILE_KEY or key in DAEMON_KEYS:
             continue
         if "." in key:
             dotted.append(f"{key}={value}")
@@ -75,61 +59,71 @@ def config_from_extra(
     return load_config(None, env=env, overrides=dotted, base=raw)
 
 
-def request_extra(lora_name: str | None, cache_salt: str | None) -> bytes:
-    """Bytes that separate otherwise equal prompts: LoRA adapter and cache salt.
-
-    Empty when neither is set, so plain prompts share keys across deployments.
-    """
-    if not lora_name and not cache_salt:
-        return b""
-    return b"vllm\0lora=" + (lora_name or "").encode() + b"\0salt=" + (cache_salt or "").encode()
-
-
 @dataclass(frozen=True, slots=True)
-class KeyScheme:
-    """Logical keys for the scheduler side, rank keys for one worker.
+class ChunkShape:
+    """How kvtier's chunks tile vLLM's blocks; build with :meth:`of`.
 
     Attributes:
-        model: model id the KV was computed with (vLLM's ``model_config.model``).
-        spec: the KV spec of rank 0 (``tp_rank=0``): the logical namespace.
-        chunk_tokens: tokens per chunk, a multiple of vLLM's block size.
+        chunk_tokens: tokens per chunk (``store.chunk_tokens``).
+        block_size: tokens per vLLM block (``cache_config.block_size``).
+        blocks_per_chunk: vLLM blocks in one chunk.
     """
 
-    model: str
-    spec: KVSpec
     chunk_tokens: int
+    block_size: int
+    blocks_per_chunk: int
 
-    def hasher(self) -> ChunkHasher:
-        logical = replace(self.spec, tp_rank=0)
-        return ChunkHasher(Namespace(self.model, logical.fingerprint, self.chunk_tokens))
-
-    def logical_keys(
-        self, token_ids: Sequence[int], extra: bytes = b"", parent: ChunkKey | None = None
-    ) -> list[ChunkKey]:
-        """Keys of every full chunk of ``token_ids`` (see :meth:`ChunkHasher.keys`)."""
-        return self.hasher().keys(token_ids, extra, parent)
-
-
-def rank_salt(spec: KVSpec, pp_rank: int, layout: str) -> bytes:
-    """The per-worker prefix of rank keys: TP rank (in the fingerprint), PP stage, layout."""
-    return f"kvtier/vllm/rank/v1\0{spec.fingerprint}\0pp{pp_rank}\0{layout}\0".encode()
-
-
-def rank_keys(salt: bytes, logical: Sequence[bytes]) -> list[ChunkKey]:
-    """Rank keys of logical keys (deterministic, 16 bytes each)."""
-    return [ChunkKey(xxhash.xxh3_128_digest(salt + k)) for k in logical]
-
-
-def check_chunk_tokens(chunk_tokens: int, block_size: int) -> int:
-    """Blocks per chunk, or a ConfigError when the chunk does not tile vLLM's blocks."""
-    if chunk_tokens < block_size or chunk_tokens % block_size:
-        raise ConfigError(
-            "store.chunk_tokens", chunk_tokens, f"a multiple of vLLM's block_size ({block_size})"
-        )
-    return chunk_tokens // block_size
+    @classmethod
+    def of(cls, chunk_tokens: int, block_size: int) -> ChunkShape:
+        """The shape, or a ConfigError when the chunk does not tile vLLM's blocks."""
+        if block_size <= 0 or chunk_tokens < block_size or chunk_tokens % block_size:
+            raise ConfigError(
+                "store.chunk_tokens",
+                chunk_tokens,
+                f"a multiple of vLLM's block_size ({block_size})",
+            )
+        return cls(chunk_tokens, block_size, chunk_tokens // block_size)
 
 
 def mirror_capacity(cfg: KVTierConfig, chunk_bytes: int) -> int:
     """Chunks the scheduler-side mirror may list: the store's capacity, with slack."""
     total = sum(t.capacity_bytes for t in cfg.tiers)
     return max(1, MIRROR_SLACK * total // max(1, chunk_bytes))
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonSettings:
+    """Where the shared daemon is, and how long a step may wait for it.
+
+    Attributes:
+        url: the daemon's base URL, e.g. ``http://127.0.0.1:8470``.
+        token: bearer token of the tenant; None for a daemon without tokens (loopback).
+        timeout_s: read/write timeout of one request, in seconds (connect: half of it).
+    """
+
+    url: str
+    token: str | None = None
+    timeout_s: float = 1.0
+
+
+def daemon_from_extra(extra: Mapping[str, Any]) -> DaemonSettings | None:
+    """The daemon settings of a connector's extra config, or None for the embedded store.
+
+    Raises:
+        ConfigError: a ``url`` that is not http(s), or a non-positive timeout.
+    """
+    url = extra.get(URL_KEY)
+    if not url:
+        if extra.get(TOKEN_KEY):
+            raise ConfigError(TOKEN_KEY, "***", "set together with 'url'")
+        return None
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ConfigError(URL_KEY, url, "an http:// or https:// URL of a kvtier daemon")
+    try:
+        timeout_s = float(extra.get(TIMEOUT_KEY, 1.0))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(TIMEOUT_KEY, extra.get(TIMEOUT_KEY), "seconds > 0") from exc
+    if timeout_s <= 0:
+        raise ConfigError(TIMEOUT_KEY, timeout_s, "seconds > 0")
+    token = extra.get(TOKEN_KEY) or None
+    return DaemonSettings(url, str(token) if token else None, timeout_s)

@@ -32,6 +32,7 @@ from kvtier.factory import build_store
 from kvtier.spec import KVSpec
 from kvtier.store.store import TieredStore
 
+from .keys import rank_keys, rank_salt
 from .metadata import (
     KVTierConnectorStats,
     KVTierMetadata,
@@ -41,8 +42,8 @@ from .metadata import (
 )
 from .mirror import IndexFeed
 from .mover import BlockMover, select_mover
-from .remote import DaemonSettings, RemoteStore
-from .settings import rank_keys, rank_salt
+from .remote import RemoteStore
+from .settings import ChunkShape, DaemonSettings
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class WorkerSide:
         cfg: the kvtier configuration (tiers, chunk size).
         spec: this rank's KV spec (its fingerprint holds the TP rank and size).
         pp_rank: pipeline stage, part of the rank keys.
-        block_size: vLLM's block size, in tokens.
+        shape: how chunks tile vLLM's blocks.
         daemon: a running kvtier daemon to use instead of an embedded store (remote.py).
     """
 
@@ -63,15 +64,15 @@ class WorkerSide:
         cfg: KVTierConfig,
         spec: KVSpec,
         pp_rank: int,
-        block_size: int,
+        shape: ChunkShape,
         daemon: DaemonSettings | None = None,
     ) -> None:
         self.cfg = cfg
         self.spec = spec
         self.pp_rank = pp_rank
-        self.block_size = block_size
-        self.chunk_tokens = cfg.store.chunk_tokens
-        self.blocks_per_chunk = self.chunk_tokens // block_size
+        self.block_size = shape.block_size
+        self.chunk_tokens = shape.chunk_tokens
+        self.blocks_per_chunk = shape.blocks_per_chunk
         self.mover: BlockMover | None = None
         self.store: TieredStore | RemoteStore | None = None
         self.daemon = daemon

@@ -40,7 +40,7 @@ from typing import TypeVar
 import numpy as np
 
 from kvtier.errors import ClosedError, InputError, TierError
-from kvtier.keys import ChunkKey
+from kvtier.keys import ChunkKey, check_keys
 from kvtier.store.index import StoreIndex
 from kvtier.store.mover import Listener, Mover
 from kvtier.store.policy import EvictionFactory, LRUEviction, PlacementPolicy, WriteThrough
@@ -136,12 +136,13 @@ class TieredStore:
         failures: they show in :class:`PutResult` and the stats.
 
         Raises:
-            InputError: sizes that can never work.
+            InputError: a malformed key (not 16 bytes), or sizes that can never work.
             ClosedError: the store is closed.
         """
         self._check_open()
+        keys = check_keys(keys)
+        prefix = check_keys(prefix)
         view = _as_bytes_view(data, writable=False)
-        keys = list(keys)
         if not keys:
             fut: Future[PutResult] = Future()
             fut.set_result(PutResult(0, 0, 0, 0))
@@ -151,7 +152,7 @@ class TieredStore:
         value_bytes = view.nbytes // len(keys)
         if not 0 < value_bytes <= self.slot_bytes:
             raise InputError(f"chunk of {value_bytes} B; the store takes 1..{self.slot_bytes} B")
-        return self._submit(self._mover.put, keys, view, value_bytes, list(prefix))
+        return self._submit(self._mover.put, keys, view, value_bytes, prefix)
 
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
         """How many leading ``keys`` are present, and in which tiers. Thread-safe.
@@ -161,6 +162,7 @@ class TieredStore:
         found there are adopted into the index.
         """
         self._check_open()
+        keys = check_keys(keys)
         slots = self._index.present_run(keys)
         if len(slots) < len(keys) and self._mover.shared:
             slots += self._mover.adopt(keys[len(slots) :])
@@ -189,6 +191,7 @@ class TieredStore:
         :meth:`lookup`.
         """
         self._check_open()
+        keys = check_keys(keys)
         view = _as_bytes_view(dst, writable=True)
         slots = self._index.hold_run(keys)
         need = sum(sl.value_bytes for sl in slots)
@@ -205,6 +208,7 @@ class TieredStore:
         other processes stop finding them; chunks only there count as present.
         """
         self._check_open()
+        keys = check_keys(keys)
         gone = self._index.remove(keys)
         removed = len(gone)
         if self._mover.shared:
@@ -226,14 +230,17 @@ class TieredStore:
 
     def pin(self, keys: Sequence[ChunkKey]) -> int:
         """Protect present chunks from eviction and demotion; returns how many were pinned."""
+        keys = check_keys(keys)
         return len(self._index.pin(keys))
 
     def unpin(self, keys: Sequence[ChunkKey]) -> None:
         """Undo one :meth:`pin` per key; unknown or unpinned keys are ignored."""
+        keys = check_keys(keys)
         self._index.unpin(keys)
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
         """Mark chunks as used, last key first, so a sequence's tail is evicted before its head."""
+        keys = check_keys(keys)
         self._index.touch(keys)
 
     def keys(self) -> list[ChunkKey]:

@@ -20,7 +20,7 @@ from kvtier.connectors.vllm.mirror import (
     KeyFilter,
     StoreMirror,
 )
-from kvtier.connectors.vllm.settings import KeyScheme, rank_keys, rank_salt
+from kvtier.connectors.vllm.keys import KeyScheme, rank_keys, rank_salt
 from kvtier.spec import KVSpec
 
 

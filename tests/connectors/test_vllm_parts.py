@@ -7,22 +7,16 @@ from types import SimpleNamespace
 
 import pytest
 
+from kvtier.connectors.vllm.keys import KeyScheme, rank_keys, rank_salt, request_extra
 from kvtier.connectors.vllm.scheduler import KeyMirror, matched_chunks
-from kvtier.connectors.vllm.settings import (
-    KeyScheme,
-    check_chunk_tokens,
-    config_from_extra,
-    rank_keys,
-    rank_salt,
-    request_extra,
-)
+from kvtier.connectors.vllm.settings import ChunkShape, config_from_extra
 from kvtier.errors import ConfigError, SpecError
 from kvtier.spec import KVSpec
 
 
 def test_extra_config_layers_file_nested_and_dotted(tmp_path) -> None:
     f = tmp_path / "kvtier.toml"
-    f.write_text('[store]\nchunk_tokens = 512\nio_threads = 3\n')
+    f.write_text("[store]\nchunk_tokens = 512\nio_threads = 3\n")
     cfg = config_from_extra(
         {
             "config_file": str(f),
@@ -44,8 +38,10 @@ def test_bad_extra_config_fails_loudly(tmp_path) -> None:
     with pytest.raises(ConfigError):
         config_from_extra({"config_file": str(tmp_path / "missing.toml")}, env={})
     with pytest.raises(ConfigError):
-        check_chunk_tokens(48, 32)
-    assert check_chunk_tokens(256, 32) == 8
+        ChunkShape.of(48, 32)
+    with pytest.raises(ConfigError):
+        ChunkShape.of(16, 32)
+    assert ChunkShape.of(256, 32).blocks_per_chunk == 8
 
 
 def test_keys_separate_salts_loras_ranks_and_layouts() -> None:

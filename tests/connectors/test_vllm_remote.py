@@ -10,13 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.connectors.vllm.remote import (
-    DaemonLookup,
-    DaemonSettings,
-    RemoteStore,
-    daemon_from_extra,
-)
-from kvtier.connectors.vllm.settings import config_from_extra, rank_keys
+from kvtier.connectors.vllm.keys import rank_keys
+from kvtier.connectors.vllm.remote import DaemonLookup, RemoteStore
+from kvtier.connectors.vllm.settings import DaemonSettings, config_from_extra, daemon_from_extra
 from kvtier.errors import ConfigError
 from tests.service.conftest import Daemon, free_port, start_daemon
 

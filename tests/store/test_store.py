@@ -172,3 +172,37 @@ def test_duplicate_keys_in_one_put_are_stored_once() -> None:
         assert store.lookup([key(1)]).value_bytes == (SLOT,)
         store.delete([key(1)])
         assert store.stats().tiers[0].used_bytes == 0
+
+
+BAD_KEYS = {
+    "3 bytes": b"abc",
+    "100 bytes": bytes(100),
+    "str": "0" * 16,
+    "None": None,
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_KEYS), ids=list(BAD_KEYS))
+@pytest.mark.parametrize("method", ["put", "prefix", "get", "lookup", "delete", "pin"])
+def test_malformed_keys_are_refused_not_truncated(
+    two_tier: TieredStore, method: str, bad: str
+) -> None:
+    # A persistent tier's journal stores 16-byte keys: a shorter or longer one was
+    # padded or truncated, and after a reopen its value was served under a key never put.
+    keys = [key(1), BAD_KEYS[bad]]
+    calls = {
+        "put": lambda: two_tier.put(keys, rand(2 * SLOT)),
+        "prefix": lambda: two_tier.put([key(2)], rand(SLOT), prefix=keys),
+        "get": lambda: two_tier.get(keys, np.zeros(2 * SLOT, np.uint8)),
+        "lookup": lambda: two_tier.lookup(keys),
+        "delete": lambda: two_tier.delete(keys),
+        "pin": lambda: two_tier.pin(keys),
+    }
+    with pytest.raises(InputError, match="16 bytes"):
+        calls[method]()
+    assert two_tier.stats().chunks == 0 and two_tier.stats().puts == 0
+
+
+def test_a_single_bytes_value_is_not_taken_for_a_sequence_of_keys(two_tier: TieredStore) -> None:
+    with pytest.raises(InputError, match="sequence of chunk keys"):
+        two_tier.lookup(key(1))

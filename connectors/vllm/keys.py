@@ -1,0 +1,68 @@
+"""The connector's key scheme. Imports nothing from vLLM or from the connector's other modules.
+
+Keys, in two levels:
+
+* The **logical key** of a chunk is :class:`kvtier.keys.ChunkHasher` over the request's
+  token ids, seeded by (model, rank-0 KV spec, chunk size) with the LoRA name and the
+  cache salt in the extra bytes. The scheduler side computes it; it is the same on every
+  rank, in every process, after every restart.
+* The **rank key** is what a worker stores under: a hash of the logical key with that
+  worker's KV-spec fingerprint (which holds the TP rank and size), its pipeline stage and
+  the byte layout of its pages. Each rank holds only its own heads and layers, so ranks
+  never share entries, and two layouts (or dtypes) never read each other's bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import xxhash
+
+from kvtier.keys import ChunkHasher, ChunkKey, Namespace
+from kvtier.spec import KVSpec
+
+
+def request_extra(lora_name: str | None, cache_salt: str | None) -> bytes:
+    """Bytes that separate otherwise equal prompts: LoRA adapter and cache salt.
+
+    Empty when neither is set, so plain prompts share keys across deployments.
+    """
+    if not lora_name and not cache_salt:
+        return b""
+    return b"vllm\0lora=" + (lora_name or "").encode() + b"\0salt=" + (cache_salt or "").encode()
+
+
+@dataclass(frozen=True, slots=True)
+class KeyScheme:
+    """Logical keys for the scheduler side, rank keys for one worker.
+
+    Attributes:
+        model: model id the KV was computed with (vLLM's ``model_config.model``).
+        spec: the KV spec of rank 0 (``tp_rank=0``): the logical namespace.
+        chunk_tokens: tokens per chunk, a multiple of vLLM's block size.
+    """
+
+    model: str
+    spec: KVSpec
+    chunk_tokens: int
+
+    def hasher(self) -> ChunkHasher:
+        logical = replace(self.spec, tp_rank=0)
+        return ChunkHasher(Namespace(self.model, logical.fingerprint, self.chunk_tokens))
+
+    def logical_keys(
+        self, token_ids: Sequence[int], extra: bytes = b"", parent: ChunkKey | None = None
+    ) -> list[ChunkKey]:
+        """Keys of every full chunk of ``token_ids`` (see :meth:`ChunkHasher.keys`)."""
+        return self.hasher().keys(token_ids, extra, parent)
+
+
+def rank_salt(spec: KVSpec, pp_rank: int, layout: str) -> bytes:
+    """The per-worker prefix of rank keys: TP rank (in the fingerprint), PP stage, layout."""
+    return f"kvtier/vllm/rank/v1\0{spec.fingerprint}\0pp{pp_rank}\0{layout}\0".encode()
+
+
+def rank_keys(salt: bytes, logical: Sequence[bytes]) -> list[ChunkKey]:
+    """Rank keys of logical keys (deterministic, 16 bytes each)."""
+    return [ChunkKey(xxhash.xxh3_128_digest(salt + k)) for k in logical]
