@@ -320,7 +320,11 @@ class TieredStore:
             if tier.persistent or tier.shared or not below:
                 continue
             target = below[0]
-            moved = self._mover.persist(t, target, room[target])
+            try:
+                moved = self._mover.persist(t, target, room[target])
+            except Exception:  # close must finish: what did not move is lost, as in a crash
+                log.exception("tier %s: moving chunks into %s failed", tier.name, target)
+                continue
             room[target] -= moved
             total += moved
             if moved:

@@ -127,3 +127,43 @@ def test_close_keeps_the_hottest_when_nvme_is_smaller(tmp_path: Path) -> None:
     store = TieredStore([host(8), nvme(tmp_path, 4)], io_threads=1)
     assert set(store.keys()) == {key(0), key(5), key(6), key(7)}
     store.close()
+
+
+_EXIT_CHILD = """
+import atexit, sys
+import numpy as np
+from tests.store.test_index_events import DropFromTop, host, key, nvme, value
+from kvtier.store import TieredStore
+from pathlib import Path
+
+store = TieredStore([host(8), nvme(Path(sys.argv[1]), 32)], io_threads=2, placement=DropFromTop())
+for i in range(6):
+    store.put([key(i)], value(i)).result()
+# Closed by an exit hook, as vLLM's engine finalizer closes the connector: by then the
+# interpreter's thread pools take no new work.
+atexit.register(store.close)
+"""
+
+
+def test_close_from_an_exit_hook_still_persists(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run(
+        [sys.executable, "-c", _EXIT_CHILD, str(tmp_path)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    store = TieredStore([host(8), nvme(tmp_path, 32)], io_threads=1)
+    try:
+        assert set(store.keys()) == {key(i) for i in range(6)}
+        out = np.empty(6 * SLOT, np.uint8)
+        assert store.get([key(i) for i in range(6)], out).result().chunks == 6
+        assert np.array_equal(out, np.concatenate([value(i) for i in range(6)]))
+    finally:
+        store.close()
