@@ -18,11 +18,13 @@ touches only the mover (reads), the store (thread-safe) and the fields under ``_
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -46,6 +48,32 @@ from .remote import RemoteStore
 from .settings import ChunkShape, DaemonSettings
 
 log = logging.getLogger(__name__)
+
+
+def rank_dirs(cfg: KVTierConfig, spec: KVSpec, pp_rank: int) -> KVTierConfig:
+    """``cfg`` with each rank's nvme slabs in its own subdirectory, when there are ranks.
+
+    Every rank builds its own store from the same configuration, and an nvme directory
+    is one store's (it is locked): with TP > 1 or PP > 1 rank ``r`` of stage ``p`` uses
+    ``<dir>/tp<r>-pp<p>``. A single-rank engine keeps the directory as configured.
+    """
+    if spec.tp_size <= 1 and pp_rank == 0:
+        return cfg
+    sub = f"tp{spec.tp_rank}-pp{pp_rank}"
+    tiers = []
+    for t in cfg.tiers:
+        o = t.options
+        if t.kind == "nvme" and o is not None:
+            o = dataclasses.replace(
+                o,
+                paths=tuple(str(Path(p) / sub) for p in o.paths),
+                dir=str(Path(o.dir) / sub) if o.dir else o.dir,
+                # The subdirectory is this rank's own: create it when its parent is there.
+                create_dirs=o.create_dirs
+                or all(Path(p).expanduser().is_dir() for p in (*o.paths, o.dir) if p),
+            )
+        tiers.append(dataclasses.replace(t, options=o))
+    return dataclasses.replace(cfg, tiers=tuple(tiers))
 
 
 class WorkerSide:
@@ -113,7 +141,8 @@ class WorkerSide:
             self.store = RemoteStore(self.daemon, value_bytes)
             self._announce = frozenset({self._salt})
         else:
-            self.store = build_store(self.cfg, spec=self.spec, chunk_bytes=value_bytes).store
+            cfg = rank_dirs(self.cfg, self.spec, self.pp_rank)
+            self.store = build_store(cfg, spec=self.spec, chunk_bytes=value_bytes).store
             self._feed = IndexFeed(self.store)
         log.info(
             "kvtier worker: %s, %d layers, %d B per block-layer (%s), chunk %d tokens = %d B; "

@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kvtier.connectors.vllm.keys import KeyScheme, rank_keys, rank_salt
 from kvtier.connectors.vllm.mirror import (
     COUNTERS_PER_KEY,
     HASHES,
@@ -20,7 +21,6 @@ from kvtier.connectors.vllm.mirror import (
     KeyFilter,
     StoreMirror,
 )
-from kvtier.connectors.vllm.keys import KeyScheme, rank_keys, rank_salt
 from kvtier.spec import KVSpec
 
 
@@ -109,3 +109,32 @@ def test_added_and_removed_in_one_update_nets_out() -> None:
     assert k not in m and len(m) == 0
     m.apply({s0: IndexUpdate(None, HASHES, added=rk + rk, removed=rk)})  # stored twice
     assert k in m
+
+
+def test_each_rank_opens_its_own_nvme_directory(tmp_path) -> None:
+    """TP ranks build their stores from one configuration; an nvme directory is locked."""
+    from kvtier.connectors.vllm.settings import config_from_extra
+    from kvtier.connectors.vllm.worker import rank_dirs
+    from kvtier.factory import build_store
+
+    cfg = config_from_extra(
+        {
+            "store.chunk_tokens": 64,
+            "tiers": [
+                {"kind": "host", "capacity_bytes": "1MiB"},
+                {"kind": "nvme", "capacity_bytes": "1MiB", "dir": str(tmp_path)},
+            ],
+        },
+        env={},
+    )
+    spec = KVSpec(2, 4, 64, tp_size=2)
+    assert rank_dirs(cfg, replace(spec, tp_size=1), 0) is cfg  # one rank: as configured
+    stores = [
+        build_store(rank_dirs(cfg, replace(spec, tp_rank=r), 0), spec=spec, chunk_bytes=65536)
+        for r in range(2)
+    ]  # both open at once: no lock conflict
+    try:
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["tp0-pp0", "tp1-pp0"]
+    finally:
+        for b in stores:
+            b.store.close()
