@@ -1,6 +1,7 @@
 """TTFT of a kvtier hit against recompute, on one real vLLM CPU engine, same prompts.
 
     kvtier bench vllm_e2e --json out.json [--tokens 4096] [--repeat 5] [--layers 4] ...
+    kvtier bench vllm_e2e --restart ...   (TTFT in a new engine process: vllm_restart.py)
 
 One engine with the kvtier connector (host tier). For each repeat, a fresh random
 prompt is sent twice with a fresh cache salt: the first run misses (vLLM computes the
@@ -72,6 +73,10 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> int:
+    if "--restart" in argv:  # two engine processes: see kvtier.bench.vllm_restart
+        from kvtier.bench.vllm_restart import main as restart_main
+
+        return restart_main(argv)
     a = _args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
