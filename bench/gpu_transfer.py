@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from kvtier.bench.common import envelope
-from kvtier.config import Switch
+from kvtier.enums import Switch
 from kvtier.tiers.memory import SharedArena
 from kvtier.transfer import Layout, PagedKV, TransferEngine, TransferOptions, make_paged_cache
 

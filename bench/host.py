@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.bench.common import envelope, interleaved, write_json
-from kvtier.config import Switch
+from kvtier.enums import Switch
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
 from kvtier.tiers.host import HostTier, Options

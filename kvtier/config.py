@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import enum
 import ipaddress
 import os
@@ -30,20 +31,17 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TypeVar
 
+from kvtier.enums import Switch as Switch  # re-exported: configs name it with their options
 from kvtier.errors import ConfigError
+from kvtier.tiers.base import TierSection
 from kvtier.units import GiB, parse_size
 
 T = TypeVar("T")
 
 ENV_PREFIX = "KVTIER_"
-
-
-class Switch(enum.Enum):
-    """An optional acceleration: force it on, force it off, or use it where it works."""
-
-    AUTO = "auto"
-    ON = "on"
-    OFF = "off"
+# The one environment variable without the nested form: people type it (issue 12). It is
+# service.data_dir, like KVTIER_SERVICE__DATA_DIR (which wins when both are set).
+DATA_DIR_ENV = "KVTIER_DATA_DIR"
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,20 +76,6 @@ class StoreConfig:
     # tier: the peers' write-through) or "cost" (kvtier.policies' latency-cost model with
     # an SSD write budget; see docs/cost-model.md).
     placement: str = "cost"
-
-
-@dataclass(frozen=True, slots=True)
-class TierSection:
-    """One tier of the hierarchy, top (fastest) first in ``KVTierConfig.tiers``."""
-
-    # Tier kind: host, cxl, gpu (nvme and redis once installed); see docs/configuration.md.
-    kind: str
-    # Name in stats, logs and metrics; defaults to the kind.
-    name: str
-    # Bytes this tier may hold.
-    capacity_bytes: int
-    # The kind's own options, validated against its options class.
-    options: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +156,8 @@ def load_config(
     if path is not None:
         raw = merge(raw, read_toml(path))
     environ = os.environ if env is None else env
+    if DATA_DIR_ENV in environ:
+        set_dotted(raw, "service.data_dir", environ[DATA_DIR_ENV], source=DATA_DIR_ENV)
     for name, value in sorted(environ.items()):
         if name.startswith(ENV_PREFIX) and "__" in name:
             dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
@@ -259,6 +245,11 @@ def parse_config(raw: Mapping[str, Any]) -> KVTierConfig:
         if not isinstance(kind, str):
             raise ConfigError(f"{where}.kind", kind, "a tier kind such as 'host'")
         options_cls = tier_options_class(kind, where)
+        known = ["capacity_bytes", "kind", "name"]
+        known += [f.name for f in dataclasses.fields(options_cls)]
+        for key in t:
+            if key not in known:
+                raise ConfigError(f"{where}.{key}", t[key], _known_keys(key, known, f"{kind} tier"))
         name = str(t.pop("name", kind))
         if "capacity_bytes" not in t:
             raise ConfigError(f"{where}.capacity_bytes", None, "a size such as '4GiB'")
@@ -356,7 +347,8 @@ def build_dataclass(cls: type[T], raw: Mapping[str, Any], where: str) -> T:
     for key, value in raw.items():
         dotted = f"{where}.{key}" if where else key
         if key not in fields:
-            raise ConfigError(dotted, value, f"one of the known keys {sorted(fields)}")
+            table = f"[{where}] table" if where else "top level"
+            raise ConfigError(dotted, value, _known_keys(key, list(fields), table))
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             kwargs[key] = build_dataclass(hint, value, dotted)  # type: ignore[arg-type]
@@ -368,6 +360,13 @@ def build_dataclass(cls: type[T], raw: Mapping[str, Any], where: str) -> T:
         raise ConfigError(
             where or "<root>", dict(raw), f"the fields of {cls.__name__}: {exc}"
         ) from exc
+
+
+def _known_keys(key: str, known: list[str], where: str) -> str:
+    """What an unknown key should have been: the closest known one, then all of them."""
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"one of the known keys of the {where} {sorted(known)}{hint}"
 
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:

@@ -6,7 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.config import KVTierConfig, ModelConfig, TierSection
+from kvtier.config import KVTierConfig, ModelConfig
+from kvtier.errors import SpecError
 from kvtier.keys import ChunkHasher, Namespace
 from kvtier.spec import PRESETS, DType, KVSpec, preset
 from kvtier.store.policy import PlacementPolicy, eviction_factory, placement_factory
@@ -15,28 +16,18 @@ from kvtier.tiers.base import Tier
 from kvtier.tiers.registry import create_tier
 
 
-def with_nvme_under(cfg: KVTierConfig, directory: str | Path, capacity_bytes: int) -> KVTierConfig:
-    """``cfg`` plus an nvme tier in ``directory``, unless ``cfg`` already has one.
-
-    The tier goes below the local tiers and above any shared one (Redis): a shared tier
-    is the lowest level of the hierarchy.
-    """
-    if any(t.kind == "nvme" for t in cfg.tiers):
-        return cfg
-    from kvtier.tiers.registry import is_shared_kind, tier_options_class
-
-    options = tier_options_class("nvme")(dir=str(directory), create_dirs=True)
-    section = TierSection("nvme", "nvme", capacity_bytes, options)
-    at = next((i for i, t in enumerate(cfg.tiers) if is_shared_kind(t.kind)), len(cfg.tiers))
-    return dataclasses.replace(cfg, tiers=(*cfg.tiers[:at], section, *cfg.tiers[at:]))
-
-
 def spec_from_model(model: ModelConfig) -> KVSpec:
     """The KV spec a ``[model]`` section describes (a preset name or a config.json path)."""
     if model.name.lower() in PRESETS:
         base = preset(model.name)
         dtype = DType.parse(model.dtype) if model.dtype else base.dtype
         return dataclasses.replace(base, dtype=dtype, tp_rank=model.tp_rank, tp_size=model.tp_size)
+    if not Path(model.name).expanduser().exists():
+        # A typo of a preset name is far likelier than a missing config.json (issue 12).
+        raise SpecError(
+            f"model.name {model.name!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+            "nor an existing Hugging Face config.json (or its folder): set one of those"
+        )
     return KVSpec.from_hf_config(
         model.name, dtype=model.dtype or None, tp_rank=model.tp_rank, tp_size=model.tp_size
     )

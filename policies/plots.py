@@ -62,9 +62,33 @@ def _p99(r: SimResult) -> float:
     return r.ttft_p99_s
 
 
-def cost_latency_frontier(points: Sequence[Point], best: tuple[int, ...], out: Path) -> Path:
+def cost_latency_frontier(
+    points: Sequence[Point],
+    best: tuple[int, ...],
+    out: Path,
+    *,
+    slo_s: float | None = None,
+    budget_per_month: float | None = None,
+) -> Path:
+    """Draw :func:`frontier_figure` into the PNG ``out``; returns ``out``."""
+    plt = _plt()
+    fig = frontier_figure(points, best, slo_s=slo_s, budget_per_month=budget_per_month)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def frontier_figure(
+    points: Sequence[Point],
+    best: tuple[int, ...],
+    *,
+    slo_s: float | None = None,
+    budget_per_month: float | None = None,
+) -> Any:
     """Every simulated configuration as ($/month, TTFT p50) and ($/month, TTFT p99), each
-    with its Pareto frontier and the chosen configuration marked."""
+    with its Pareto frontier (line and points), the chosen configuration, and the
+    objective (the TTFT p99 SLO as a horizontal line, a budget as a vertical one) marked
+    on both panels."""
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     panels: tuple[tuple[Any, str, Callable[[SimResult], float]], ...] = (
@@ -78,8 +102,15 @@ def cost_latency_frontier(points: Sequence[Point], best: tuple[int, ...], out: P
         for _, r in sorted(points, key=lambda p: (p[1].cost_per_month, get(p[1]))):
             if not frontier or get(r) < get(frontier[-1]):
                 frontier.append(r)
+        # Markers too: a frontier of one point is otherwise an invisible line.
         ax.step([r.cost_per_month for r in frontier], [get(r) for r in frontier], "r-",
-                where="post", label="frontier")
+                where="post", marker="o", ms=5, label="frontier")
+        if slo_s is not None:
+            ax.axhline(slo_s, color="tab:orange", ls="--", lw=1.2,
+                       label=f"TTFT p99 SLO {slo_s:g} s")
+        if budget_per_month is not None:
+            ax.axvline(budget_per_month, color="tab:orange", ls="--", lw=1.2,
+                       label=f"budget ${budget_per_month:,.0f}/month")
         for c, r in points:
             if c == best:
                 ax.scatter([r.cost_per_month], [get(r)], s=90, marker="*", color="k",
@@ -90,6 +121,4 @@ def cost_latency_frontier(points: Sequence[Point], best: tuple[int, ...], out: P
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return fig

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.config import Switch, TierSection, build_dataclass
+from kvtier.config import build_dataclass
+from kvtier.enums import Switch
 from kvtier.errors import KVTierError
 from kvtier.store import TieredStore
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import Tier, TierSection
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.host import Options as HostOptions
 from kvtier.tiers.registry import BUILTIN_KINDS, create_tier

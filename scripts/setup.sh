@@ -26,6 +26,9 @@ if [ ! -f "$stamp" ]; then
     "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   fi
   touch "$stamp"
+  # test installs everything core does (.[service] and lz4 through .[dev]): make serve
+  # after make test must not reinstall.
+  if [ "$mode" = test ]; then touch "${stamp/setup-test-/setup-core-}"; fi
 fi
 
 if [ "$mode" = test ] && ! command -v redis-server >/dev/null 2>&1; then

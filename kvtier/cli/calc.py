@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kvtier.cli.console import stdout_console
 from kvtier.errors import InputError
 from kvtier.units import format_size, parse_size
 
@@ -29,8 +30,9 @@ calc_app = typer.Typer(
     help="Size DRAM, CXL and SSD tiers for a workload at minimum cost (offline calculator).",
     no_args_is_help=False,
     invoke_without_command=True,
+    rich_markup_mode=None,  # as the main app: no stray "<bool>" in --help
 )
-out = Console()
+out = stdout_console()
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +114,12 @@ def calc(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the result as JSON.")] = None,  # noqa: UP045
     plots: Annotated[Optional[Path], typer.Option(help="Directory for PNG plots.")] = None,  # noqa: UP045
 ) -> None:
-    """Recommend capacities per tier for a workload: hit rates, TTFT, $/month, SSD wear."""
+    """Recommend capacities per tier for a workload: hit rates, TTFT, $/month, SSD wear.
+
+    Exit status 1 when --slo or --budget is given and no configuration searched meets it
+    (the closest is shown, and the JSON says objective.met = false); 2 on bad input.
+    Files are written only where --json and --plots say.
+    """
     inputs = _load_inputs(model, hardware, trace, limit, synthetic_requests, rate, conversations,
                           turn_tokens, system_tokens, policy, json_out, plots, gpus)
     if ctx.invoked_subcommand is not None:
@@ -148,12 +155,21 @@ def calc(
         for c, r in p.evaluated
     ]
     _print_report(doc)
-    if not p.goal_met:
-        out.print("[yellow]no configuration searched meets the objective; the closest is shown[/]")
+    if goal.objective is not Objective.COST:
+        target = (f"TTFT p99 SLO {slo:g} s" if slo is not None
+                  else f"budget ${budget:,.0f}/month")
+        if p.goal_met:
+            out.print(f"[green]objective met[/]: {target}")
+        else:
+            out.print(f"[yellow]objective NOT met[/]: no configuration searched meets the {target}; "
+                      "the closest is shown (exit status 1)")
     if inputs.plots is not None:
-        doc["plots"] = _plots(inputs.plots, p.evaluated, names, p.capacities_bytes)
+        doc["plots"] = _plots(inputs.plots, p.evaluated, names, p.capacities_bytes,
+                              slo_s=slo, budget_per_month=budget)
     if inputs.json_out is not None:
-        inputs.json_out.write_text(json.dumps(doc, indent=2))
+        _write_json(inputs.json_out, doc)
+    if not p.goal_met:
+        raise typer.Exit(1)
 
 
 @calc_app.command()
@@ -196,15 +212,23 @@ def sweep(
         best = min(points, key=lambda p: p[1].cost_per_month)[0]
         doc["plots"] = _plots(plots, points, names, best)
     if json_out is not None:
-        json_out.write_text(json.dumps(doc, indent=2))
+        _write_json(json_out, doc)
 
 
-def _plots(where: Path, points: Any, names: list[str], best: tuple[int, ...]) -> list[str]:
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2))
+    out.print(f"json: {path}")
+
+
+def _plots(where: Path, points: Any, names: list[str], best: tuple[int, ...], *,
+           slo_s: float | None = None, budget_per_month: float | None = None) -> list[str]:
     from kvtier.policies.plots import cost_latency_frontier, hit_rate_vs_capacity
 
     where.mkdir(parents=True, exist_ok=True)
     a = hit_rate_vs_capacity(points, names, best, where / "hit_rate_vs_capacity.png")
-    b = cost_latency_frontier(points, best, where / "cost_latency_frontier.png")
+    b = cost_latency_frontier(points, best, where / "cost_latency_frontier.png", slo_s=slo_s,
+                              budget_per_month=budget_per_month)
     out.print(f"plots: {a}, {b}")
     return [str(a), str(b)]
 

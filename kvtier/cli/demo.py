@@ -23,10 +23,12 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvtier.cli.console import stdout_console
 from kvtier.config import KVTierConfig
-from kvtier.factory import build_store, with_nvme_under
+from kvtier.factory import build_store
 from kvtier.keys import ChunkKey
-from kvtier.units import GiB, format_size
+from kvtier.service.server import with_nvme_under
+from kvtier.units import format_size
 
 TRACE_BLOCK_TOKENS = 512
 # A shipped trace (kvtier/data/mooncake/): a clone or an installed kvtier has it.
@@ -37,10 +39,11 @@ _POOL_BYTES = 64 << 20
 WINDOW_BYTES = 128 << 20
 # With the embedded default tiers, the demo's host tier is this large, so the whole run
 # stays under 2 GiB of RSS (the shared-memory arena counts as it fills).
-DEMO_HOST_BYTES = 1 * GiB
-# Unless the config has an nvme tier, the demo keeps one here (it outlives the run, so a
-# second run starts with the chunks the first one left).
-DEMO_DATA_DIR = "~/.local/share/kvtier/demo-nvme"
+DEMO_HOST_BYTES = 1 << 30
+# Unless the config has an nvme tier, the demo keeps one in this folder of the data
+# directory (service.data_dir: --data-dir, KVTIER_DATA_DIR); it outlives the run, so a
+# second run starts with the chunks the first one left. No data directory: memory only.
+DEMO_SUBDIR = "demo-nvme"
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,13 +106,15 @@ class ChunkBytes:
 
 def run_demo(cfg: KVTierConfig, *, sequences: int, trace: str | Path | None, seed: int) -> bool:
     """Run the demo; True when every loaded byte verified."""
-    console = Console()
+    console = stdout_console()
     trace_spec = trace or DEFAULT_TRACE
     reqs = load_requests(trace_spec, sequences)  # a bad trace fails before any allocation
     # The seed picks the demo's KV bytes, so it is part of the key namespace: a persistent
     # tier holding another seed's chunks must miss, not fail verification.
     cfg = _demo_sized(cfg)
-    cfg = with_nvme_under(cfg, Path(DEMO_DATA_DIR).expanduser(), 8 * GiB)
+    if cfg.service.data_dir:
+        where = Path(cfg.service.data_dir).expanduser() / DEMO_SUBDIR
+        cfg = with_nvme_under(cfg, where, cfg.service.data_capacity_bytes)
     built = build_store(cfg, tenant=f"kvtier-demo-seed-{seed}")
     store, spec, hasher = built.store, built.spec, built.hasher
     chunk_tokens = cfg.store.chunk_tokens

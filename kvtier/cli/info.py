@@ -10,9 +10,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
+from kvtier.cli.console import stdout_console
 from kvtier.tiers import numa
 from kvtier.units import format_size
 
@@ -59,7 +59,7 @@ def machine_report(data_dir: Path | None = None) -> dict[str, Any]:
 
 def run_info(json_out: Path | None) -> None:
     rep = machine_report()
-    out = Console()
+    out = stdout_console()
     t = Table(title="kvtier info", show_header=True)
     t.add_column("what")
     t.add_column("value")

@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from kvtier.cli.console import print_error
 from kvtier.errors import KVTierError
 
 app = typer.Typer(
@@ -23,6 +24,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain click help: typer's rich help labels --help with a stray "<bool>".
+    rich_markup_mode=None,
 )
 console = Console(stderr=True)
 
@@ -34,6 +37,19 @@ SetOpt = Annotated[
     Optional[list[str]],  # noqa: UP045
     typer.Option("--set", help="Override one setting: --set store.chunk_tokens=512 (repeatable)."),
 ]
+DataDirOpt = Annotated[
+    Optional[str],  # noqa: UP045 - str: a Path would turn "" (memory only) into "."
+    typer.Option(
+        "--data-dir",
+        help="Where the persistent (nvme) tier and the key salt live; also KVTIER_DATA_DIR. "
+        "Default ~/.local/share/kvtier; empty string: memory tiers only.",
+    ),
+]
+
+
+def _data_dir_override(data_dir: str | None) -> list[str]:
+    # --data-dir is service.data_dir, applied last (after KVTIER_DATA_DIR and the file).
+    return [] if data_dir is None else [f"service.data_dir={data_dir}"]
 
 
 def _setup_logging(level: str = "INFO") -> None:
@@ -87,12 +103,13 @@ def demo(
         ),
     ] = None,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    data_dir: DataDirOpt = None,
 ) -> None:
     """Store and reload a long-context workload through the default store, verifying every byte."""
     from kvtier.cli.demo import run_demo
     from kvtier.config import load_config
 
-    cfg = load_config(config, overrides=tuple(set_ or ()))
+    cfg = load_config(config, overrides=(*(set_ or ()), *_data_dir_override(data_dir)))
     _setup_logging(cfg.log_level)
     ok = run_demo(cfg, sequences=sequences, trace=trace, seed=seed)
     raise typer.Exit(0 if ok else 1)
@@ -110,10 +127,7 @@ def serve(
         Optional[int],  # noqa: UP045
         typer.Option(help="TCP port (default 8470)."),
     ] = None,
-    data_dir: Annotated[
-        Optional[Path],  # noqa: UP045
-        typer.Option(help="Keep an nvme tier and the key salt here: the cache outlives restarts."),
-    ] = None,
+    data_dir: DataDirOpt = None,
 ) -> None:
     """Run the cache daemon: the tiered store over REST (see docs/operations.md)."""
     from kvtier.config import load_config
@@ -123,16 +137,13 @@ def serve(
         overrides.append(f"service.host={host}")
     if port is not None:
         overrides.append(f"service.port={port}")
-    if data_dir is not None:
-        overrides.append(f"service.data_dir={data_dir}")
+    overrides += _data_dir_override(data_dir)
     cfg = load_config(config, overrides=tuple(overrides))
     _setup_logging(cfg.log_level)
     try:
         from kvtier.service.server import serve as run_server
     except ImportError as exc:
-        console.print(
-            f"[red]error:[/red] the daemon needs the service extra: pip install 'kvtier[service]' ({exc})"
-        )
+        print_error(console, f"the daemon needs the service extra: pip install 'kvtier[service]' ({exc})")
         raise typer.Exit(2) from None
     run_server(cfg)
 
@@ -156,7 +167,7 @@ def bench(
             raise
         from kvtier.bench import available
 
-        console.print(f"[red]no benchmark {name!r}[/red]; available: {', '.join(available())}")
+        print_error(console, f"no benchmark {name!r}; available: {', '.join(available())}")
         raise typer.Exit(2) from None
     argv = list(ctx.args)
     if json_out is not None:
@@ -179,7 +190,7 @@ def main() -> None:
     try:
         app()
     except KVTierError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        print_error(console, str(exc))
         sys.exit(2)
 
 

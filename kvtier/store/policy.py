@@ -13,15 +13,14 @@ the victims it marked, or leaves every chunk where it was.
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from importlib.metadata import entry_points
+from typing import cast
 
 from typing_extensions import override
 
-from kvtier.errors import ConfigError, PluginError
+from kvtier import plugins
 from kvtier.keys import ChunkKey
 
 
@@ -100,42 +99,16 @@ EvictionFactory = Callable[[], EvictionPolicy]
 PlacementFactory = Callable[..., PlacementPolicy]
 """Builds a placement from ``(tiers, spec, chunk_tokens)`` of the store it will drive."""
 
-BUILTIN_EVICTION: dict[str, str] = {"lru": "kvtier.store.policy:LRUEviction"}
-
-
-def _keep(*_args: object) -> PlacementPolicy:
+def keep_everything(*_args: object) -> PlacementPolicy:
+    """The ``keep`` placement: :class:`WriteThrough`, whatever the store."""
     return WriteThrough()
 
 
 def placement_factory(name: str) -> PlacementFactory:
-    """Resolve a placement by name: ``keep``, then the ``kvtier.placement`` entry points."""
-    if name == "keep":
-        return _keep
-    for ep in entry_points(group="kvtier.placement"):
-        if ep.name == name:
-            try:
-                factory: PlacementFactory = ep.load()
-            except (ImportError, AttributeError) as exc:
-                raise PluginError(
-                    f"placement {name!r} ({ep.value}) cannot be loaded: {exc}"
-                ) from exc
-            return factory
-    names = ["keep", *(ep.name for ep in entry_points(group="kvtier.placement"))]
-    raise ConfigError("store.placement", name, f"one of {sorted(names)}")
+    """Resolve a placement by name (:data:`kvtier.plugins.BUILTIN`, then plugins)."""
+    return cast(PlacementFactory, plugins.load(plugins.PLACEMENT, name, "store.placement"))
 
 
 def eviction_factory(name: str) -> EvictionFactory:
-    """Resolve an eviction policy by name: built-ins, then the ``kvtier.eviction`` entry points."""
-    path = BUILTIN_EVICTION.get(name)
-    if path is None:
-        for ep in entry_points(group="kvtier.eviction"):
-            if ep.name == name:
-                path = ep.value
-    if path is None:
-        raise ConfigError("store.eviction", name, f"one of {sorted(BUILTIN_EVICTION)} or a plugin")
-    module, _, attr = path.partition(":")
-    try:
-        factory: EvictionFactory = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise PluginError(f"eviction policy {name!r} ({path}) cannot be loaded: {exc}") from exc
-    return factory
+    """Resolve an eviction policy by name (:data:`kvtier.plugins.BUILTIN`, then plugins)."""
+    return cast(EvictionFactory, plugins.load(plugins.EVICTION, name, "store.eviction"))

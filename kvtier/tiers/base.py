@@ -18,6 +18,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvtier.alloc import BuddyAllocator, Extent
 from kvtier.errors import InputError
@@ -50,6 +51,20 @@ class SlotRun:
     @property
     def nbytes(self) -> int:
         return len(self.keys) * self.value_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class TierSection:
+    """One tier of the hierarchy, top (fastest) first in ``KVTierConfig.tiers``."""
+
+    # Tier kind: host, cxl, gpu (nvme and redis once installed); see docs/configuration.md.
+    kind: str
+    # Name in stats, logs and metrics; defaults to the kind.
+    name: str
+    # Bytes this tier may hold.
+    capacity_bytes: int
+    # The kind's own options, validated against its options class.
+    options: Any = None
 
 
 @dataclass(frozen=True, slots=True)

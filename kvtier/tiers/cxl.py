@@ -11,19 +11,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from typing_extensions import override
 
-from kvtier.config import Switch
+from kvtier.enums import Switch
 from kvtier.errors import ConfigError
 from kvtier.tiers import numa
-from kvtier.tiers.base import SlotRun, TierProfile
+from kvtier.tiers.base import SlotRun, TierProfile, TierSection
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.host import Options as HostOptions
-
-if TYPE_CHECKING:
-    from kvtier.config import TierSection
 
 log = logging.getLogger(__name__)
 

@@ -7,15 +7,12 @@ only pay for it when a gpu tier is configured, and then get a clear error.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from typing_extensions import override
 
 from kvtier.errors import TierUnavailableError
-from kvtier.tiers.base import SlotRun, Tier, TierProfile
-
-if TYPE_CHECKING:
-    from kvtier.config import TierSection
+from kvtier.tiers.base import SlotRun, Tier, TierProfile, TierSection
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,17 +5,13 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 from typing_extensions import override
 
-from kvtier.config import Switch
-from kvtier.tiers.base import SlotRun, Tier, TierProfile
+from kvtier.enums import Switch
+from kvtier.tiers.base import SlotRun, Tier, TierProfile, TierSection
 from kvtier.tiers.memory import SharedArena
-
-if TYPE_CHECKING:
-    from kvtier.config import TierSection
 
 
 @dataclass(frozen=True, slots=True)

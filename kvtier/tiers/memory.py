@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.config import Switch
+from kvtier.enums import Switch
 from kvtier.errors import TierIOError
 from kvtier.tiers import numa
 

@@ -14,14 +14,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from typing_extensions import override
 
-from kvtier.tiers.base import SlotRun, Tier, TierProfile
-
-if TYPE_CHECKING:
-    from kvtier.config import TierSection
+from kvtier.tiers.base import SlotRun, Tier, TierProfile, TierSection
 
 log = logging.getLogger(__name__)
 

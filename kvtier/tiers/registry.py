@@ -3,45 +3,25 @@
 Each module exposes ``Options`` (a frozen dataclass: the kind's config section) and
 ``create(section, slot_bytes, max_extent_bytes) -> Tier``. Modules import lazily, so a
 kind's heavy dependencies (torch, redis, kvikio) load only when the kind is configured.
-Third-party kinds register through the ``kvtier.tiers`` entry-point group.
+The table is :data:`kvtier.plugins.BUILTIN`; third-party kinds register through the
+``kvtier.tiers`` entry-point group.
 """
 
 from __future__ import annotations
 
-import importlib
-from importlib.metadata import entry_points
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from kvtier.errors import ConfigError, PluginError
+from kvtier import plugins
 
 if TYPE_CHECKING:
-    from kvtier.config import TierSection
-    from kvtier.tiers.base import Tier
+    from kvtier.tiers.base import Tier, TierSection
 
-BUILTIN_KINDS: dict[str, str] = {
-    "host": "kvtier.tiers.host",
-    "cxl": "kvtier.tiers.cxl",
-    "gpu": "kvtier.tiers.gpu",
-    "nvme": "kvtier.tiers.nvme",
-    "meta": "kvtier.tiers.meta",
-    "redis": "kvtier.tiers.redis",
-}
+BUILTIN_KINDS = plugins.BUILTIN[plugins.TIERS]
 
 
 def _module(kind: str, where: str) -> ModuleType:
-    path = BUILTIN_KINDS.get(kind)
-    if path is None:
-        for ep in entry_points(group="kvtier.tiers"):
-            if ep.name == kind:
-                path = ep.value
-                break
-    if path is None:
-        raise ConfigError(f"{where}.kind", kind, f"one of {sorted(BUILTIN_KINDS)} or a plugin kind")
-    try:
-        return importlib.import_module(path)
-    except ImportError as exc:
-        raise PluginError(f"tier kind {kind!r} ({path}) cannot be imported: {exc}") from exc
+    return cast(ModuleType, plugins.load(plugins.TIERS, kind, f"{where}.kind"))
 
 
 def tier_options_class(kind: str, where: str = "tiers") -> type[Any]:

@@ -31,7 +31,7 @@ def calc(*args: str) -> None:
 def test_calc_searches_capacities_on_both_traces(tmp_path: Path, trace: str) -> None:
     out = tmp_path / "calc.json"
     calc("--trace", trace, "--limit", "250", "--rounds", "1",
-         "--slo", "5", "--json", str(out), "--plots", str(tmp_path / "plots"))
+         "--slo", "60", "--json", str(out), "--plots", str(tmp_path / "plots"))
     doc = json.loads(out.read_text())
     assert set(doc) >= FIELDS
     assert doc["kv_bytes_per_token"] == 131072
@@ -40,6 +40,7 @@ def test_calc_searches_capacities_on_both_traces(tmp_path: Path, trace: str) -> 
     assert len(doc["seed_thresholds"]["checks"]) == 2
     assert len(doc["search"]) >= 2
     assert all(Path(p).stat().st_size > 0 for p in doc["plots"])
+    assert doc["objective"]["met"] is True
 
 
 @pytest.mark.parametrize("model", sorted(COMPUTE_PRESETS))
@@ -108,3 +109,49 @@ def test_malformed_trace_line_is_named(tmp_path: Path) -> None:
                          capture_output=True, text=True, cwd=ROOT, timeout=120, env=WIDE)
     assert res.returncode == 2
     assert f"{bad}:2: field 'hash_ids' is missing" in res.stderr
+
+
+@pytest.mark.parametrize(("slo", "status", "said"), [("1000", 0, "objective met"),
+                                                     ("0.001", 1, "objective NOT met")])
+def test_an_slo_is_met_or_the_exit_status_says_not(tmp_path: Path, slo: str, status: int,
+                                                   said: str) -> None:
+    work = tmp_path / "cwd"
+    work.mkdir()
+    res = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "calc", "--trace",
+                          "mooncake-synthetic", "--limit", "150", "--rounds", "1", "--slo", slo,
+                          "--json", str(tmp_path / "out" / "plan.json"),
+                          "--plots", str(tmp_path / "out" / "plots")],
+                         capture_output=True, text=True, cwd=work, timeout=600, env=WIDE)
+    assert res.returncode == status, res.stdout + res.stderr
+    assert said in res.stdout
+    doc = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert doc["objective"]["met"] is (status == 0)
+    assert sorted(p.name for p in (tmp_path / "out" / "plots").iterdir()) == [
+        "cost_latency_frontier.png", "hit_rate_vs_capacity.png"]
+    assert list(work.iterdir()) == []  # outputs only where --json and --plots say
+
+
+def test_frontier_plot_marks_the_slo_and_the_frontier_on_both_panels() -> None:
+    pytest.importorskip("matplotlib")
+    from kvtier.policies.calc import evaluate
+    from kvtier.policies.plots import frontier_figure
+    from kvtier.policies.profiles import load_hardware
+    from kvtier.policies.recompute import model_compute
+    from kvtier.policies.trace import load_trace
+
+    m, hw = model_compute("llama-3-8b"), load_hardware("h200-dram-nvme")
+    tr = load_trace("mooncake-synthetic", limit=100)
+    caps = [(20 * 10**9, 0), (100 * 10**9, 0), (100 * 10**9, 10**12)]
+    points = [(c, evaluate(m, hw, tr, c, "kvtier")) for c in caps]
+    fig = frontier_figure(points, caps[1], slo_s=7.0)
+    try:
+        assert len(fig.axes) == 2
+        for ax in fig.axes:
+            labels = {ln.get_label(): ln for ln in ax.get_lines()}
+            assert "TTFT p99 SLO 7 s" in labels and list(labels["TTFT p99 SLO 7 s"].get_ydata()) == [7.0, 7.0]
+            assert "frontier" in labels and len(labels["frontier"].get_xdata()) >= 1
+            assert labels["frontier"].get_marker() == "o"
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)

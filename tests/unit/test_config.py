@@ -62,3 +62,20 @@ def test_bad_file(tmp_path: Path) -> None:
         load_config(f, env={})
     with pytest.raises(ConfigError, match="readable"):
         load_config(tmp_path / "absent.toml", env={})
+
+
+def test_kvtier_data_dir_is_service_data_dir() -> None:
+    # People type KVTIER_DATA_DIR (issue 12); the nested form and --set still win.
+    assert load_config(env={"KVTIER_DATA_DIR": "/srv/kv"}).service.data_dir == "/srv/kv"
+    assert load_config(env={"KVTIER_DATA_DIR": ""}).service.data_dir == ""
+    both = {"KVTIER_DATA_DIR": "/a", "KVTIER_SERVICE__DATA_DIR": "/b"}
+    assert load_config(env=both).service.data_dir == "/b"
+    assert load_config(env=both, overrides=["service.data_dir=/c"]).service.data_dir == "/c"
+
+
+def test_unknown_keys_suggest_the_known_one() -> None:
+    with pytest.raises(ConfigError, match=r"did you mean 'capacity_bytes'\?") as err:
+        load_config(env={}, overrides=["tiers.0.capacity=4GiB"])
+    assert "'kind'" in str(err.value) and "'prefault'" in str(err.value)
+    with pytest.raises(ConfigError, match=r"did you mean 'chunk_tokens'\?"):
+        load_config(env={}, overrides=["store.chunk_tokns=4"])

@@ -14,11 +14,11 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvtier.config import Switch
+from kvtier.enums import Switch
 from kvtier.tiers.nvme.journal import Durability
 
 if TYPE_CHECKING:
-    from kvtier.config import TierSection
+    from kvtier.tiers.base import TierSection
     from kvtier.tiers.nvme.tier import NVMeTier
 
 

@@ -48,7 +48,7 @@ import xxhash
 from typing_extensions import override
 
 from kvtier import codec as kvcodec
-from kvtier.config import Switch
+from kvtier.enums import Switch
 from kvtier.errors import ClosedError, ConfigError, CorruptChunkError, TierIOError
 from kvtier.tiers.base import SlotRun, Tier, TierProfile
 from kvtier.tiers.nvme import Codec, EngineKind, Options

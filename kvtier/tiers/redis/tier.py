@@ -24,19 +24,16 @@ import enum
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from typing_extensions import override
 
 from kvtier.errors import ConfigError, CorruptChunkError, PluginError, TierIOError
 from kvtier.keys import ChunkKey, Namespace
-from kvtier.tiers.base import SlotRun, Tier, TierProfile
+from kvtier.tiers.base import SlotRun, Tier, TierProfile, TierSection
 from kvtier.tiers.redis import wire
 from kvtier.tiers.redis.nodes import NodeHealth, Nodes, Op
 from kvtier.units import MiB
-
-if TYPE_CHECKING:
-    from kvtier.config import TierSection
 
 log = logging.getLogger(__name__)
 
