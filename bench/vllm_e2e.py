@@ -76,7 +76,8 @@ def main(argv: list[str]) -> int:
     if "--restart" in argv:  # two engine processes: see kvtier.bench.vllm_restart
         from kvtier.bench.vllm_restart import main as restart_main
 
-        return restart_main(argv)
+        rc: int = restart_main(argv)
+        return rc
     a = _args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")

@@ -262,8 +262,8 @@ class PosixEngine(IOEngine):
         for r in inline:
             try:
                 self._one(r, writing)
-            except BaseException as exc:
-                first = first or exc
+            except BaseException as err:
+                first = first or err
         for f in futs:
             exc = f.exception()
             if exc is not None and first is None:
