@@ -10,8 +10,12 @@ from __future__ import annotations
 import pkgutil
 from pathlib import Path
 
+# Modules that serve the benchmarks and are not benchmarks themselves.
+HELPERS = frozenset({"common", "redis_procs", "tiny_llama"})
+
 
 def available() -> list[str]:
     """Names of the benchmark modules in this package."""
     here = Path(__file__).parent
-    return sorted(m.name for m in pkgutil.iter_modules([str(here)]) if not m.name.startswith("_") and m.name != "common")
+    names = (m.name for m in pkgutil.iter_modules([str(here)]))
+    return sorted(n for n in names if not n.startswith("_") and n not in HELPERS)

@@ -25,7 +25,6 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,18 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.common import envelope, write_json
+from kvtier.bench.redis_procs import RedisServer, free_port
 
 KiB = 1024
 MiB = 1024 * KiB
 SIZES = (256 * KiB, 1 * MiB, 4 * MiB)
 CONCURRENCY = (1, 16, 64)
 POOL_VALUES = 8  # distinct random values per size, cycled
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait(ready: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, log: Path) -> None:
@@ -72,7 +66,6 @@ class Servers:
     kvtier_url: str
     redis_port: int
     kvtier: subprocess.Popen[bytes]
-    redis: subprocess.Popen[bytes]
     tmp: Path
 
 
@@ -89,7 +82,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 def start_kvtier(
     tmp: Path, capacity: str, *, io_threads: int = 4, max_value_bytes: int = 4 * MiB
 ) -> tuple[str, subprocess.Popen[bytes]]:
-    port = _free_port()
+    port = free_port()
     log = tmp / f"kvtier-{port}.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     with log.open("wb") as out:
@@ -112,6 +105,9 @@ def start_kvtier(
                 "tiers.0.pin=off",
                 "--set",
                 "log_level=WARNING",
+                # Never the user's data directory: a daemon of theirs may hold it.
+                "--set",
+                f"service.data_dir={tmp / f'data-{port}'}",
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -124,38 +120,6 @@ def start_kvtier(
         lambda: httpx.get(f"{url}/readyz", timeout=1).status_code == 200, proc, "kvtier serve", log
     )
     return url, proc
-
-
-def start_redis(tmp: Path) -> tuple[int, subprocess.Popen[bytes]]:
-    import redis
-
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-    port = _free_port()
-    log = tmp / f"redis-{port}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                exe,
-                "--port",
-                str(port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(tmp),
-                "--protected-mode",
-                "yes",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    _wait(lambda: bool(redis.Redis(port=port).ping()), proc, "redis-server", log)
-    return port, proc
 
 
 # -- load generation ---------------------------------------------------------------------------
@@ -530,7 +494,7 @@ def main(argv: list[str]) -> int:
     concs = [int(c) for c in args.concurrency.split(",")]
 
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-daemon-"))
-    rport, rproc = start_redis(tmp)
+    redis_server = RedisServer(tmp / "redis").start()
     rows: list[dict[str, Any]] = []
     print(
         f"{'op':9} {'value':>8} {'conc':>4} {'kvtier GB/s':>11} {'redis GB/s':>10} {'ratio':>6} "
@@ -543,7 +507,7 @@ def main(argv: list[str]) -> int:
                 # (docs/operations.md): a 256 KiB value in a 4 MiB slot wastes 15/16.
                 # 1 GiB holds the get working set plus every put round's fresh keys.
                 url, kproc = start_kvtier(tmp, "1GiB", max_value_bytes=size)
-                servers = Servers(url, rport, kproc, rproc, tmp)
+                servers = Servers(url, redis_server.port, kproc, tmp)
                 try:
                     for conc in concs:
                         for row in bench_point(
@@ -560,7 +524,7 @@ def main(argv: list[str]) -> int:
                 finally:
                     _stop(kproc)
     finally:
-        _stop(rproc)
+        redis_server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     soak_out: dict[str, Any] | None = None
     if soak_s > 0:

@@ -1,6 +1,7 @@
-"""NVMe tier throughput against ``dd`` with O_DIRECT, and recovery time.
+"""NVMe tier throughput against ``dd`` with O_DIRECT and against aiofiles, and recovery time.
 
-``kvtier bench nvme --json F [--dir D] [--sizes 4,16,64] [--repeat 5] [--engines posix,uring]``
+``kvtier bench nvme --json F [--dir D] [--sizes 4,16,64] [--repeat 5]
+[--engines posix,kvikio,aiofiles]``
 
 For each transfer size (MiB) the tier writes one run of random chunks (``--slot-mib``
 each) and reads it back (bytes verified); ``dd`` moves the same number of bytes with
@@ -8,6 +9,15 @@ each) and reads it back (bytes verified); ``dd`` moves the same number of bytes 
 interleaved run by run so drift on a shared machine hits both alike. The tier writes
 with ``durability = "sync"`` (data and journal flushed), the matching dd baseline
 flushes too (``conv=fdatasync``). dd's own elapsed time is used (no process start-up).
+
+The ``aiofiles`` row is the straightforward asyncio way, and how LMCache's local disk
+backend stores: one file per chunk, ``async with aiofiles.open(...)``, all chunks of a
+run gathered at once. To compare like with like it fsyncs each file (the tier's
+durability) and its pages are dropped from the page cache before it is read back (the
+tier's reads are O_DIRECT). ``vs_aiofiles`` is the tier's speed over that row's.
+
+An engine or baseline whose optional package is missing (kvikio, aiofiles) is skipped
+with the reason printed; the rest still run.
 
 Recovery: a tier holding ``--recover-chunks`` small chunks is closed and reopened;
 the time to a ready store is reported with and without the start-up verification,
@@ -19,9 +29,13 @@ Put ``--dir`` on the real disk (not tmpfs): the point is the device.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import importlib.util
+import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -76,17 +90,88 @@ def _median(xs: list[float]) -> float:
 
 def _tier(root: Path, name: str, capacity: int, slot: int, engine: str, **opts: Any) -> Any:
     from kvtier.tiers.nvme import EngineKind, Options
-    from kvtier.tiers.nvme.engine import UringEngine
     from kvtier.tiers.nvme.tier import NVMeTier
 
     d = root / name
     d.mkdir(exist_ok=True)
-    if engine == "uring":
-        o = Options(dir=str(d), engine=EngineKind.POSIX, **opts)
-        return NVMeTier(name, capacity, slot, 1 << 40, o, engine=UringEngine(o.io_threads))
     return NVMeTier(
         name, capacity, slot, 1 << 40, Options(dir=str(d), engine=EngineKind(engine), **opts)
     )
+
+
+class AiofilesBaseline:
+    """One file per chunk through aiofiles, every chunk of a run gathered at once."""
+
+    def __init__(self, root: Path, slot: int) -> None:
+        import aiofiles
+
+        self._aiofiles = aiofiles
+        self.root = root
+        self.root.mkdir(exist_ok=True)
+        self.slot = slot
+        self.direct = (False,)  # page cache, dropped before reads (see the module doc)
+        self._loop = asyncio.new_event_loop()
+
+    def _paths(self, run: SlotRun) -> list[Path]:
+        return [self.root / f"{k.hex()}.bin" for k in run.keys]
+
+    def write(self, run: SlotRun, src: memoryview) -> None:
+        self._loop.run_until_complete(self._write(self._paths(run), src))
+
+    async def _write(self, paths: list[Path], src: memoryview) -> None:
+        async def one(path: Path, chunk: memoryview) -> None:
+            async with self._aiofiles.open(path, "wb") as f:
+                await f.write(chunk)
+                await f.flush()
+                await asyncio.to_thread(os.fsync, f.fileno())
+
+        s = self.slot
+        await asyncio.gather(*(one(p, src[i * s : (i + 1) * s]) for i, p in enumerate(paths)))
+
+    def drop_cache(self, run: SlotRun) -> None:
+        """Evict the run's files from the page cache, so reads come from the device."""
+        for path in self._paths(run):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    def read(self, run: SlotRun, dst: memoryview) -> None:
+        self._loop.run_until_complete(self._read(self._paths(run), dst))
+
+    async def _read(self, paths: list[Path], dst: memoryview) -> None:
+        async def one(i: int, path: Path) -> None:
+            async with self._aiofiles.open(path, "rb") as f:
+                data = await f.read()
+            dst[i * self.slot : (i + 1) * self.slot] = data
+
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(paths)))
+
+    def close(self) -> None:
+        self._loop.close()
+
+
+def _contenders(root: Path, cap: int, slot: int, names: list[str]) -> dict[str, Any]:
+    """The tiers (one per engine) and baselines that can run here; the others are skipped
+    with their reason printed."""
+    from kvtier.tiers.nvme.engine import kvikio_importable, libcuda_loads
+
+    out: dict[str, Any] = {}
+    for name in names:
+        why = ""
+        if name == "kvikio" and not (kvikio_importable() and libcuda_loads()):
+            why = "kvikio needs the kvikio package and libcuda (pip install 'kvtier[gds]')"
+        elif name == "aiofiles" and importlib.util.find_spec("aiofiles") is None:
+            why = "the aiofiles package is not installed (pip install aiofiles)"
+        if why:
+            print(f"skipping {name}: {why}")
+            continue
+        if name == "aiofiles":
+            out[name] = AiofilesBaseline(root / "tp-aiofiles", slot)
+        else:
+            out[name] = _tier(root, f"tp-{name}", cap, slot, name)
+    return out
 
 
 def throughput(
@@ -94,7 +179,7 @@ def throughput(
 ) -> list[dict[str, Any]]:
     rng = np.random.default_rng(1)
     cap = max(sizes_mib) * MiB * 2
-    tiers = {e: _tier(root, f"tp-{e}", cap, slot, e) for e in engines}
+    tiers = _contenders(root, cap, slot, engines)
     src_file = root / "dd-src.bin"
     dd_file = root / "dd-dst.bin"
     rows: list[dict[str, Any]] = []
@@ -116,9 +201,12 @@ def throughput(
             )
             runs = {}
             for e, t in tiers.items():
-                exts = t.allocate(n)
-                assert exts is not None and len(exts) == 1, "one extent per run"
-                runs[e] = SlotRun(exts[0].offset, _keys(size_mib << 20, n), slot)
+                offset = 0  # the aiofiles baseline names its files by key
+                if not isinstance(t, AiofilesBaseline):
+                    exts = t.allocate(n)
+                    assert exts is not None and len(exts) == 1, "one extent per run"
+                    offset = exts[0].offset
+                runs[e] = SlotRun(offset, _keys(size_mib << 20, n), slot)
             times: dict[str, list[float]] = {}
             out = np.empty_like(data)
             for rep in range(repeat + 1):  # the first round is a warm-up
@@ -151,6 +239,8 @@ def throughput(
                     t0 = time.perf_counter()
                     t.write(runs[e], data.data)
                     sample[f"{e}:write"] = time.perf_counter() - t0
+                    if isinstance(t, AiofilesBaseline):
+                        t.drop_cache(runs[e])
                 sample["dd:read"] = _dd(
                     [f"if={dd_file}", "of=/dev/null", f"bs={nbytes}", "count=1", "iflag=direct"]
                 )
@@ -175,7 +265,7 @@ def throughput(
                 if rep:
                     for k, v in sample.items():
                         times.setdefault(k, []).append(v)
-            for e in engines:
+            for e in tiers:
                 for op in ("write", "read"):
                     tier_s, base_s = times[f"{e}:{op}"], times[f"dd:{op}"]
                     par_s = times[f"dd4:{op}"]
@@ -208,9 +298,12 @@ def throughput(
                             },
                             "runs": repeat,
                             "slot_bytes": slot,
-                            "direct": all(tiers[e].engine.direct),
+                            "direct": all(_direct(tiers[e])),
                         }
                     )
+                    if "aiofiles" in tiers and e != "aiofiles":
+                        af = nbytes / _median(times[f"aiofiles:{op}"]) / 1e9
+                        rows[-1]["vs_aiofiles"] = round(tg / af, 3)
     finally:
         for t in tiers.values():
             t.close()
@@ -327,7 +420,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--sizes", default="4,16,64", help="transfer sizes in MiB")
     p.add_argument("--slot-mib", type=float, default=2.0, help="chunk size in MiB")
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--engines", default="posix,uring")
+    p.add_argument(
+        "--engines", default="posix,kvikio,aiofiles", help="tier engines, and the aiofiles baseline"
+    )
     p.add_argument("--recover-chunks", type=int, default=100_000)
     p.add_argument("--recover-slot", type=int, default=4096)
     p.add_argument("--skip-recovery", action="store_true")
@@ -354,14 +449,15 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(root, ignore_errors=True)
     print(f"filesystem: {fs}")
     print(
-        f"{'engine':7} {'op':6} {'MiB':>5} {'tier GB/s':>10} {'dd GB/s':>8} {'ratio':>6}"
-        f" {'dd x4 GB/s':>11} {'ratio4':>7}"
+        f"{'engine':8} {'op':6} {'MiB':>5} {'GB/s':>8} {'dd GB/s':>8} {'ratio':>6}"
+        f" {'dd x4 GB/s':>11} {'ratio4':>7} {'vs aiofiles':>11}"
     )
     for r in rows:
+        vs = f"{r['vs_aiofiles']:11.2f}" if "vs_aiofiles" in r else f"{'-':>11}"
         print(
-            f"{r['engine']:7} {r['op']:6} {r['size_bytes'] // MiB:5d} {r['tier_GBps']:10.3f} "
+            f"{r['engine']:8} {r['op']:6} {r['size_bytes'] // MiB:5d} {r['tier_GBps']:8.3f} "
             f"{r['baseline_GBps']:8.3f} {r['ratio']:6.2f} "
-            f"{r['baseline4_GBps']:11.3f} {r['ratio4']:7.2f}"
+            f"{r['baseline4_GBps']:11.3f} {r['ratio4']:7.2f} {vs}"
         )
     if rec:
         print(
@@ -381,3 +477,11 @@ def main(argv: list[str]) -> int:
         envelope("nvme", rows, recovery=rec, codec=codec_rows, filesystem=fs, shared_machine=True),
     )
     return 0
+
+
+def _direct(contender: Any) -> tuple[bool, ...]:
+    return tuple(contender.direct if isinstance(contender, AiofilesBaseline) else contender.engine.direct)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

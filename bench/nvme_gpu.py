@@ -115,12 +115,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dir", default="/var/tmp")
     p.add_argument("--sizes", default="4,16,64,256")
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--device", default="cuda", help="cpu: dry run of the script on a CPU host")
+    p.add_argument(
+        "--device", default="auto", help="cuda, cpu (a dry run on a CPU host), or auto"
+    )
     a = p.parse_args(argv)
 
     import torch
 
     dev = a.device
+    if dev == "auto":
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        if dev == "cpu":
+            print("no CUDA here: the GPU rows are skipped, the rest run as a CPU dry run")
 
     def sync() -> None:
         if dev == "cuda":
@@ -315,3 +321,9 @@ def main(argv: list[str]) -> int:
             ),
         )
     return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))

@@ -253,7 +253,7 @@ def main(argv: list[str]) -> int:
     print(f"{args.model} TP{args.tp} rank 0: {args.tokens} tokens, {data.nbytes / MiB:.0f} MiB",
           file=sys.stderr)
 
-    from kvtier.tiers.redis.local import RedisClusterProcs, RedisServer
+    from kvtier.bench.redis_procs import RedisClusterProcs, RedisServer
 
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-redis-") as tmp:

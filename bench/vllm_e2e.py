@@ -1,6 +1,7 @@
 """TTFT of a kvtier hit against recompute, on one real vLLM CPU engine, same prompts.
 
     kvtier bench vllm_e2e --json out.json [--tokens 4096] [--repeat 5] [--layers 4] ...
+    kvtier bench vllm_e2e --disagg --json out.json [--tokens 8192] [--repeat 3] ...
     kvtier bench vllm_e2e --restart ...   (TTFT in a new engine process: vllm_restart.py)
 
 One engine with the kvtier connector (host tier). For each repeat, a fresh random
@@ -13,17 +14,40 @@ both alike. Outputs must be identical: the first token and its top-5 logprobs, e
 vLLM's own prefix cache is off, so the hit can only come from kvtier. The engine runs
 in-process and eager (fast start); the data path is the same as in the multi-process
 engine.
+
+**Disaggregated mode** (``--disagg``): prefill and decode on different engines.
+
+Three processes on this machine: a ``kvtier serve`` daemon (memory only, temporary), a
+prefill engine (a child process, ``kv_role = kv_producer``) and the decode engine (this
+process, ``kv_consumer``), both real vLLM CPU engines with the same model, each with the
+connector in daemon mode. For each repeat a fresh random prompt goes:
+
+* **handoff**: to the prefill engine (``max_tokens=1``); its ``kv_transfer_params`` go with
+  the same prompt to the decode engine, which loads the prompt's KV from the daemon
+  (waiting, bounded, while the producer's save is still in flight) and computes the
+  tail. The decode request's latency (``max_tokens=1``) is the decode engine's TTFT;
+* **cold**: the same prompt to the same decode engine with a fresh cache salt and no
+  handoff: it computes the whole prefill (the engine without a prefill partner).
+
+The two runs of a repeat are back to back and alternate in order, so machine drift hits
+both alike. Outputs must match: the first token and its top-5 logprobs. The daemon's
+counters show who did what: the decode engine puts nothing, the prefill engine gets
+nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from kvtier.bench.common import envelope, write_json
@@ -68,8 +92,40 @@ def _args(argv: list[str]) -> argparse.Namespace:
         "service.max_value_bytes >= the chunk) instead of an embedded host tier",
     )
     p.add_argument("--token", default=None, help="bearer token for --daemon")
+    p.add_argument(
+        "--disagg",
+        action="store_true",
+        help="disaggregated mode: a prefill engine (kv_producer) and "
+        "this decode engine (kv_consumer) share a temporary kvtier daemon; the decode "
+        "engine's TTFT after the handoff against the same engine cold",
+    )
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
+
+
+def _env() -> None:
+    # In-process, eager engines start fast; the data path is the multi-process one's.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+def _geometry(a: argparse.Namespace) -> TinyLlama:
+    return TinyLlama(
+        layers=a.layers,
+        hidden=a.hidden,
+        intermediate=a.intermediate,
+        heads=a.heads,
+        kv_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        max_positions=max(8192, a.tokens + 64),
+    )
+
+
+def _dlogprob(a: dict[int, float], b: dict[int, float]) -> float:
+    """Largest difference of the top-5 logprobs both runs list (inf: none in common)."""
+    common = a.keys() & b.keys()
+    return max((abs(a[k] - b[k]) for k in common), default=float("inf"))
 
 
 def main(argv: list[str]) -> int:
@@ -79,18 +135,10 @@ def main(argv: list[str]) -> int:
         rc: int = restart_main(argv)
         return rc
     a = _args(argv)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    geo = TinyLlama(
-        layers=a.layers,
-        hidden=a.hidden,
-        intermediate=a.intermediate,
-        heads=a.heads,
-        kv_heads=a.kv_heads,
-        head_dim=a.head_dim,
-        max_positions=max(8192, a.tokens + 64),
-    )
+    if a.disagg:
+        return run_disagg(a)
+    _env()
+    geo = _geometry(a)
     model = write_tiny_llama(a.model_dir or tempfile.mkdtemp(prefix="kvtier-bench-llama-"), geo)
 
     from vllm import LLM, SamplingParams
@@ -169,8 +217,7 @@ def main(argv: list[str]) -> int:
         cached.append(c_hit)
         misses_clean &= c_miss == 0
         same_tokens += tok_miss == tok_hit
-        common = lp_miss.keys() & lp_hit.keys()
-        dlp = max((abs(lp_miss[k] - lp_hit[k]) for k in common), default=float("inf"))
+        dlp = _dlogprob(lp_miss, lp_hit)
         max_dlogprob = max(max_dlogprob, dlp)
         print(
             f"repeat {i - a.warmup}: recompute {t_miss:.3f}s  hit {t_hit:.3f}s  cached {c_hit}  "
@@ -227,3 +274,241 @@ def main(argv: list[str]) -> int:
         ),
     )
     return 0
+
+
+MARK = "KVTIER-PRODUCER "
+
+
+def _engine_kwargs(a: argparse.Namespace, model: Path, role: str, url: str) -> dict[str, Any]:
+    return {
+        "model": str(model),
+        "load_format": "safetensors",
+        "skip_tokenizer_init": True,
+        "block_size": 32,
+        "max_model_len": a.tokens + 64,
+        "max_num_batched_tokens": a.tokens + 64,
+        "max_num_seqs": 2,
+        "enable_prefix_caching": False,  # every hit must come from kvtier
+        "seed": 0,
+        "enforce_eager": True,
+        "dtype": a.dtype,
+        "kv_transfer_config": {
+            "kv_connector": "KVTierConnector",
+            "kv_connector_module_path": "kvtier.connectors.vllm",
+            "kv_role": role,
+            "kv_connector_extra_config": {
+                "store.chunk_tokens": a.chunk_tokens,
+                "tiers": [{"kind": "host", "capacity_bytes": a.host_bytes}],
+                "url": url,
+                "daemon_timeout_s": 10.0,
+                "prefill_wait_s": 30.0,
+            },
+        },
+    }
+
+
+def producer_child(argv: list[str]) -> int:
+    """The prefill engine: one JSON prompt per stdin line, one result line per prompt."""
+    a = argparse.Namespace(**json.loads(argv[0]))
+    _env()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(**_engine_kwargs(a, Path(a.model), "kv_producer", a.url))
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    print(MARK + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        tokens = json.loads(line)
+        t0 = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
+        dt = time.perf_counter() - t0
+        print(MARK + json.dumps({"s": dt, "params": out.kv_transfer_params}), flush=True)
+    return 0
+
+
+class Producer:
+    """The prefill engine's child process and its line protocol."""
+
+    def __init__(self, a: argparse.Namespace, model: Path, url: str, log: Path) -> None:
+        spec = {**vars(a), "model": str(model), "url": url}
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvtier.bench.vllm_e2e",
+                "--producer-child",
+                json.dumps(spec),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
+        self._read()  # ready
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                out: dict[str, Any] = json.loads(line[len(MARK) :])
+                return out
+        raise RuntimeError(f"the prefill engine exited ({self.proc.wait()}); see {self.log.name}")
+
+    def prefill(self, tokens: list[int]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(tokens) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def run_disagg(a: argparse.Namespace) -> int:
+    """The disaggregated mode (``--disagg``); see the module docstring."""
+    import httpx
+
+    _env()
+    geo = _geometry(a)
+    tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-disagg-"))
+    model = write_tiny_llama(a.model_dir or tmp / "model", geo)
+    elem = 4 if "32" in a.dtype else 2
+    kv_bytes_per_token = 2 * geo.layers * geo.kv_heads * geo.head_dim * elem
+    from kvtier.bench.daemon import start_kvtier
+
+    url, daemon = start_kvtier(tmp, "2GiB", max_value_bytes=kv_bytes_per_token * a.chunk_tokens)
+    producer: Producer | None = None
+    try:
+        producer = Producer(a, model, url, tmp / "producer.log")
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = LLM(**_engine_kwargs(a, model, "kv_consumer", url))
+        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+
+        def decode(
+            tokens: list[int], salt: str | None, handoff: dict[str, Any] | None
+        ) -> tuple[float, int, int, dict[int, float]]:
+            p = TokensPrompt(prompt_token_ids=tokens)
+            if salt is not None:
+                p["cache_salt"] = salt
+            sp = params.clone()
+            if handoff is not None:
+                sp.extra_args = {"kv_transfer_params": handoff}
+            t0 = time.perf_counter()
+            out = llm.generate([p], sp, use_tqdm=False)[0]
+            dt = time.perf_counter() - t0
+            lp = out.outputs[0].logprobs[0] if out.outputs[0].logprobs else {}
+            top = {int(t): float(v.logprob) for t, v in lp.items()}
+            return dt, int(out.num_cached_tokens or 0), int(out.outputs[0].token_ids[0]), top
+
+        def counters() -> dict[str, int]:
+            st: dict[str, int] = httpx.get(url + "/v1/stats", timeout=10).json()["store"]
+            return st
+
+        rng = random.Random(0)
+        hit_s: list[float] = []
+        cold_s: list[float] = []
+        prefill_s: list[float] = []
+        cached: list[int] = []
+        same = 0
+        max_dlp = 0.0
+        producer_gets = 0
+        for i in range(a.warmup + a.repeat):
+            tokens = [rng.randrange(3, geo.vocab) for _ in range(a.tokens)]
+            before = counters()
+            pre = producer.prefill(tokens)
+            mid = counters()  # the decode engine is idle until here: gets are the producer's
+            if i % 2 == 0:
+                t_hit, c_hit, tok_hit, lp_hit = decode(tokens, None, pre["params"])
+                t_cold, _, tok_cold, lp_cold = decode(tokens, f"cold-{i}-{rng.random()}", None)
+            else:
+                t_cold, _, tok_cold, lp_cold = decode(tokens, f"cold-{i}-{rng.random()}", None)
+                t_hit, c_hit, tok_hit, lp_hit = decode(tokens, None, pre["params"])
+            if i < a.warmup:
+                continue
+            producer_gets += mid["gets"] - before["gets"]
+            hit_s.append(t_hit)
+            cold_s.append(t_cold)
+            prefill_s.append(float(pre["s"]))
+            cached.append(c_hit)
+            same += tok_hit == tok_cold
+            dlp = _dlogprob(lp_hit, lp_cold)
+            max_dlp = max(max_dlp, dlp)
+            print(
+                f"repeat {i - a.warmup}: prefill engine {pre['s']:.3f}s  decode engine: cold "
+                f"{t_cold:.3f}s, after handoff {t_hit:.3f}s (cached {c_hit})  token "
+                f"{tok_cold}/{tok_hit}  max|dlogprob| {dlp:.4f}"
+            )
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        connector: Any = get_kv_transfer_group()
+        consumer_totals: dict[str, float] = dict(connector.worker.totals())
+    finally:
+        if producer is not None:
+            producer.close()
+        daemon.terminate()
+        daemon.wait()
+
+    pairs = [h / c for h, c in zip(hit_s, cold_s, strict=True)]
+    med_hit, med_cold = statistics.median(hit_s), statistics.median(cold_s)
+    row: dict[str, Any] = {
+        "scenario": "disaggregated: prefill engine (kv_producer) -> daemon -> decode engine "
+        "(kv_consumer); decode TTFT after the handoff vs the same engine cold",
+        "prompt_tokens": a.tokens,
+        "tier": "daemon",
+        "ttft_s": med_hit,
+        "ttft_min_s": min(hit_s),
+        "ttft_max_s": max(hit_s),
+        "cold_ttft_s": med_cold,
+        "cold_min_s": min(cold_s),
+        "cold_max_s": max(cold_s),
+        "prefill_engine_s": statistics.median(prefill_s),
+        "ratio": med_hit / med_cold,
+        "pair_ratio_median": statistics.median(pairs),
+        "pair_ratio_min": min(pairs),
+        "pair_ratio_max": max(pairs),
+        "hit_cached_tokens": statistics.median(cached),
+        "outputs_identical": same == a.repeat,
+        "identical_first_tokens": f"{same}/{a.repeat}",
+        "max_abs_dlogprob_top5": max_dlp,
+        "producer_daemon_gets": producer_gets,
+        # The decode engine's own counters (the producer's saves land while it runs).
+        "consumer_save_chunks": consumer_totals.get("save_chunks", 0),
+        "consumer_load_chunks": consumer_totals.get("load_chunks", 0),
+        "dtype": a.dtype,
+        "chunk_tokens": a.chunk_tokens,
+    }
+    print(
+        f"{a.tokens}-token prompt: decode engine after handoff {med_hit:.3f}s vs cold "
+        f"{med_cold:.3f}s -> ratio {row['ratio']:.3f} (pairs {row['pair_ratio_median']:.3f}, "
+        f"median of {a.repeat}); first tokens identical {same}/{a.repeat}; daemon gets by the "
+        f"prefill engine {producer_gets}; chunks saved by the decode engine "
+        f"{row['consumer_save_chunks']}"
+    )
+    write_json(
+        a.json,
+        envelope(
+            "vllm_e2e",
+            [row],
+            mode="disagg",
+            geometry=asdict(geo),
+            kv_bytes_per_token=kv_bytes_per_token,
+            consumer_totals=consumer_totals,
+        ),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--producer-child":
+        sys.exit(producer_child(sys.argv[2:]))
+    sys.exit(main(sys.argv[1:]))

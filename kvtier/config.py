@@ -79,6 +79,46 @@ class StoreConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PlacementConfig:
+    """The economics behind ``store.placement = "cost"`` (docs/cost-model.md).
+
+    ``kvtier calc --write-config`` fills this section with the plan it chose.
+    """
+
+    # $ per second of a user's waiting (TTFT) that a hit saves, on top of the GPU's own
+    # cost. The default prices a second of waiting like a second of one H200 ($3.60/h);
+    # 0 values GPU time only (batch work). Reasoning: docs/cost-model.md, section 1.
+    value_of_latency_per_s: float = 0.001
+    # Prices and speeds of the tiers (kvtier calc's --hardware): a preset
+    # (h200-dram-nvme, h200-dram-cxl-nvme, h200-dram-qlc, h200-dram-redis) or a hardware
+    # TOML file. Each tier takes the entry of the same name, else the first of its
+    # medium (host: DRAM, cxl: CXL, nvme: SSD, redis: remote).
+    hardware: str = "h200-dram-nvme"
+    # Model whose prefill a hit saves: a preset (llama-3-8b, ...) or a config.json path.
+    # Empty: [model].name.
+    model: str = ""
+    # GPUs that prefill one request; 0: the model preset's count.
+    gpus: int = 0
+    # The GPU that recomputes: dense peak FLOP/s, the share of it prefill reaches, and
+    # $ per GPU-hour (defaults: an H200 SXM at 50% MFU and $3.50/h).
+    gpu_peak_flops: float = 989e12
+    gpu_mfu: float = 0.5
+    gpu_cost_per_hour: float = 3.5
+    # Typical tokens of context before a chunk: a chunk deep in a long prompt costs more
+    # to recompute (the attention term).
+    context_tokens: int = 8192
+    # Seconds to recompute one chunk. 0: from the model, the GPU and context_tokens.
+    # kvtier calc writes the average over its workload here.
+    recompute_s: float = 0.0
+    # SSD write budget: drive writes per day of each wearing tier's capacity that
+    # demotions may spend (0.8 = 80% of a 1-DWPD drive's rating).
+    write_budget_dwpd: float = 0.8
+    # Window over which the budget holds, seconds (60 .. 86400): in any window at most
+    # write_budget_dwpd x capacity x window / 1 day is written by demotions.
+    write_budget_window_s: float = 86400.0
+
+
+@dataclass(frozen=True, slots=True)
 class ServiceConfig:
     """The REST daemon (``kvtier serve``): where it listens, who may use it, its limits."""
 
@@ -120,6 +160,7 @@ class KVTierConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     tiers: tuple[TierSection, ...] = ()
     service: ServiceConfig = field(default_factory=ServiceConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     # Python logging level name for kvtier's loggers.
     log_level: str = "INFO"
 
@@ -279,6 +320,26 @@ def _validate(cfg: KVTierConfig) -> None:
     if not 0 <= cfg.model.tp_rank < cfg.model.tp_size:
         raise ConfigError("model.tp_rank", cfg.model.tp_rank, f"in [0, {cfg.model.tp_size})")
     _validate_service(cfg.service)
+    _validate_placement(cfg.placement)
+
+
+def _validate_placement(p: PlacementConfig) -> None:
+    for name in ("value_of_latency_per_s", "gpu_cost_per_hour", "recompute_s",
+                 "write_budget_dwpd"):
+        v = getattr(p, name)
+        if not v >= 0 or v == float("inf"):
+            raise ConfigError(f"placement.{name}", v, "a finite number >= 0")
+    if not p.gpu_peak_flops > 0 or p.gpu_peak_flops == float("inf"):
+        raise ConfigError("placement.gpu_peak_flops", p.gpu_peak_flops, "a number > 0")
+    if not 0 < p.gpu_mfu <= 1:
+        raise ConfigError("placement.gpu_mfu", p.gpu_mfu, "in (0, 1]")
+    if p.gpus < 0:
+        raise ConfigError("placement.gpus", p.gpus, "0 (the preset's) or more")
+    if p.context_tokens < 0:
+        raise ConfigError("placement.context_tokens", p.context_tokens, "an integer >= 0")
+    if not 60 <= p.write_budget_window_s <= 86400:
+        raise ConfigError("placement.write_budget_window_s", p.write_budget_window_s,
+                          "in [60, 86400] seconds")
 
 
 _TENANT_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")

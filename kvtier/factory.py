@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,7 @@ def build_store(
     chunk_bytes: int | None = None,
     placement: PlacementPolicy | None = None,
     tenant: str = "",
+    clock: Callable[[], float] | None = None,
 ) -> Built:
     """Create the tiers and the store of ``cfg``.
 
@@ -57,6 +59,8 @@ def build_store(
         chunk_bytes: slot size; defaults to the spec's bytes per chunk.
         placement: admission/demotion policy; default: ``store.placement`` of ``cfg``.
         tenant: namespace salt for the hasher.
+        clock: seconds, for the placement's reuse evidence and write budget (trace time
+            when a trace is replayed); wall time when None.
     """
     spec = spec or spec_from_model(cfg.model)
     slot = chunk_bytes or spec.chunk_bytes(cfg.store.chunk_tokens)
@@ -72,7 +76,14 @@ def build_store(
         raise
     if placement is None:
         try:
-            placement = placement_factory(cfg.store.placement)(tiers, spec, cfg.store.chunk_tokens)
+            # [placement] without a model of its own prices the store's [model].
+            settings = dataclasses.replace(
+                cfg.placement, model=cfg.placement.model or cfg.model.name
+            )
+            extra = {} if clock is None else {"clock": clock}
+            placement = placement_factory(cfg.store.placement)(
+                tiers, spec, cfg.store.chunk_tokens, settings=settings, **extra
+            )
         except BaseException:
             for t in tiers:
                 t.close()

@@ -43,7 +43,7 @@ BUILTIN: Mapping[str, Mapping[str, str]] = MappingProxyType(
             "arc": "kvtier.policies.eviction:ARCEviction",
             "cost": "kvtier.policies.eviction:CostAwareEviction",
         },
-        # A placement is a factory of (tiers, spec, chunk_tokens) (PlacementFactory).
+        # A placement is a factory of (tiers, spec, chunk_tokens, settings=...) (PlacementFactory).
         PLACEMENT: {
             "keep": "kvtier.store.policy:keep_everything",
             "cost": "kvtier.policies.wiring:placement_for_tiers",

@@ -55,6 +55,7 @@ class WriteBudget:
         self._in_window = 0.0
         self.granted_bytes = 0.0
         self.refused_bytes = 0.0
+        self.forced_bytes = 0.0
 
     def _expire(self, now_bucket: int) -> None:
         while self._buckets and self._buckets[0][0] <= now_bucket - self._span:
@@ -73,10 +74,24 @@ class WriteBudget:
         if self._in_window + nbytes > self.allowance_bytes:
             self.refused_bytes += nbytes
             return False
-        if self._buckets and self._buckets[-1][0] == b:
-            self._buckets[-1] = (b, self._buckets[-1][1] + nbytes)
-        else:
-            self._buckets.append((b, nbytes))
-        self._in_window += nbytes
+        self._record(b, nbytes)
         self.granted_bytes += nbytes
         return True
+
+    def spend(self, nbytes: float) -> None:
+        """Count writes that happen whatever the budget says (a put the store must take).
+
+        They use up the window like grants, so later optional writes (demotions) wait;
+        they may take the window past its allowance, which ``forced_bytes`` reports.
+        """
+        b = int(self._clock() // BUCKET_S)
+        self._expire(b)
+        self._record(b, nbytes)
+        self.forced_bytes += nbytes
+
+    def _record(self, bucket: int, nbytes: float) -> None:
+        if self._buckets and self._buckets[-1][0] == bucket:
+            self._buckets[-1] = (bucket, self._buckets[-1][1] + nbytes)
+        else:
+            self._buckets.append((bucket, nbytes))
+        self._in_window += nbytes

@@ -11,12 +11,14 @@ once (memoised). The objective is one of:
 * ``cost``: the cheapest configuration, whatever its latency.
 
 :func:`report` turns a simulation into the calculator's output (the JSON fields of
-``kvtier calc --json``), including the seed model's threshold check.
+``kvtier calc --json``), including the seed model's threshold check; :func:`plan_config`
+turns the chosen plan into a kvtier TOML configuration (``kvtier calc --write-config``).
 """
 
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,9 +26,9 @@ from typing import Any
 from kvtier.errors import InputError
 
 from .profiles import Hardware, Medium
-from .recompute import ModelCompute
+from .recompute import ModelCompute, Recompute
 from .seed import check_seed, seed_cost_per_gb_month
-from .simulate import SimConfig, SimResult, simulate
+from .simulate import SimConfig, SimResult, chunk_recompute_s, simulate
 from .trace import Trace
 
 MEMORY_LADDER = (0.0, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
@@ -255,3 +257,91 @@ def report(
             "met": goal.met(r),
         }
     return out
+
+
+_KIND_OF_MEDIUM = {Medium.DRAM: "host", Medium.CXL: "cxl", Medium.SSD: "nvme",
+                   Medium.REMOTE: "redis"}
+
+
+def _toml(value: object) -> str:
+    """One TOML value (strings, numbers, booleans: what the plan holds)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
+
+
+def plan_config(
+    model_source: str,
+    model: ModelCompute,
+    hardware_source: str,
+    hw: Hardware,
+    trace: Trace,
+    capacities: Sequence[int],
+    r: SimResult,
+    *,
+    policy: str = "kvtier",
+    nvme_dir: str = "/var/lib/kvtier/nvme",
+) -> str:
+    """The plan as a kvtier TOML configuration (``kvtier calc --write-config``).
+
+    ``kvtier serve --config`` and the vLLM connector's ``config_file`` accept it: the
+    tiers the plan keeps with its capacities, and a ``[placement]`` section holding the
+    economics the simulation priced (model, GPU, the workload's average recompute time
+    per chunk, value of waiting, write budget), so the live store decides as the
+    calculator's simulation did. Tiers the plan leaves at 0 are left out.
+
+    Raises:
+        InputError: the plan keeps no tier at all.
+    """
+    chunk = model.kv.chunk_bytes(trace.block_tokens)
+    kept = [(spec, cap) for spec, cap in zip(hw.tiers, capacities, strict=True) if cap >= chunk]
+    if not kept:
+        raise InputError("the plan keeps no tier (every capacity is 0): no configuration to "
+                         "write; pin one with --capacity TIER=SIZE")
+    sim = SimConfig(model, hw, tuple(capacities), policy=policy)
+    rc = Recompute(model, hw.gpu)
+    ssd = [spec for spec, _ in kept if spec.wears]
+    hits = ", ".join(f"{t.name} {t.hit_rate:.3f}" for t in r.tiers)
+    lines = [
+        f"# Written by kvtier calc: {model.name} on {hw.name}, workload {r.trace}",
+        f"# ({r.requests} requests). Predicted hit rate {r.hit_rate:.3f} of chunks ({hits}),",
+        f"# TTFT p50 {r.ttft_p50_s:.3f} s, p99 {r.ttft_p99_s:.3f} s, "
+        f"${r.cost_per_month:,.0f}/month.",
+        "# Use it with `kvtier serve --config FILE` or the vLLM connector's config_file.",
+        "",
+        "[model]",
+        f"name = {_toml(model_source)}",
+        "",
+        "[store]",
+        f"chunk_tokens = {trace.block_tokens}",
+        f"placement = {_toml('cost' if policy == 'kvtier' else 'keep')}",
+        f"eviction = {_toml(sim.eviction if policy == 'kvtier' else policy.split('-')[0])}",
+        "",
+        "# The economics the calculator priced (docs/cost-model.md).",
+        "[placement]",
+        f"hardware = {_toml(hardware_source)}",
+        f"model = {_toml(model_source)}",
+        f"gpus = {model.gpus}",
+        f"gpu_peak_flops = {_toml(hw.gpu.peak_flops)}",
+        f"gpu_mfu = {_toml(hw.gpu.mfu)}",
+        f"gpu_cost_per_hour = {_toml(hw.gpu.cost_per_hour)}",
+        f"value_of_latency_per_s = {_toml(sim.value_of_latency_per_s)}",
+        "# Seconds to recompute one chunk, averaged over the workload's positions.",
+        f"recompute_s = {_toml(chunk_recompute_s(trace, rc))}",
+        f"write_budget_dwpd = "
+        f"{_toml(ssd[0].endurance_dwpd * ssd[0].write_headroom if ssd else 0.8)}",
+        f"write_budget_window_s = {_toml(sim.budget_window_s)}",
+    ]
+    for spec, cap in kept:
+        kind = _KIND_OF_MEDIUM[spec.medium]
+        lines += ["", "[[tiers]]", f"kind = {_toml(kind)}", f"name = {_toml(spec.name)}",
+                  f"capacity_bytes = {int(cap)}"]
+        if kind == "nvme":
+            lines += ["# Slab files go here: a directory on the SSD this plan prices.",
+                      f"dir = {_toml(nvme_dir)}", "create_dirs = true"]
+        elif kind == "redis":
+            lines += ["# The shared Redis this plan prices.",
+                      'url = "redis://127.0.0.1:6379/0"']
+    return "\n".join(lines) + "\n"

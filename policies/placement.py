@@ -1,21 +1,35 @@
-"""kvtier's placement and admission: price a chunk's place in the hierarchy.
+"""kvtier's placement: a cache by default, that spends SSD endurance as a budget.
 
-For chunks of ``b`` bytes with reuse probability ``p``, keeping them in tier ``t`` is
-worth
+What it does with a chunk (the store asks under its lock):
 
-    benefit_t = p * (recompute_s - load_s(t)) * value_per_s
-              - b * (wear_cost_per_byte(t) + storage_cost_per_byte_s(t) * horizon_s)
+* **a put** is admitted into the first tier the store offers: with no history yet (a
+  fresh daemon, a new prefix) there is nothing to judge, and a cache that refuses what
+  it is given is not a cache. A put into a full tier makes room by evicting colder
+  chunks; a store whose only tier is an SSD stores what it is given (its writes are
+  counted against the write budget, so demotions into it slow down).
+* **a victim** of a full tier moves to the first lower tier that (a) has room, or holds
+  a colder victim of its own (TinyLFU's rule: the newcomer must be at least as likely
+  to be reused as what it would displace), and (b) is worth it:
 
-and the policy keeps them in the fastest tier with a positive benefit, or drops them.
-``p`` comes from :class:`~kvtier.policies.reuse.ReuseTracker` (hit counts, prefix
-sharing, ghosts); ``value_per_s`` is what one second of recompute costs (GPU dollars,
-plus an optional price on the user's waiting time). Tiers that wear (SSDs) also carry a
-:class:`~kvtier.policies.budget.WriteBudget`: a write the budget cannot grant is never
-made, whatever the benefit.
+      p · (recompute_s - load_s(t)) · value_per_s  >  b · wear_cost_per_byte(t) · pressure(t)
+                                                      + b · storage_cost_per_byte_s(t) · horizon_s
 
-Demotion uses the same model (victims go to the fastest lower tier that is worth it
-and within budget, or are dropped), and so does promotion (a hit in a lower tier moves
-up only if the time saved on the next hits outweighs the wear of writing it back down).
+  and (c) whose write budget grants the bytes. Otherwise it is dropped, and remembered
+  in the ghost list: if it comes back, its evidence is intact.
+* **a hit** in a lower tier moves up when the time saved on its next hits beats the
+  wear of writing it down again (the store's tiers are exclusive).
+
+``p`` comes from :class:`~kvtier.policies.reuse.ReuseTracker`: a prior before any
+evidence (never 0), then learned odds per reference class, and for victims the learned
+odds that a victim comes back. ``value_per_s`` is GPU dollars per second of recompute
+plus the value of the user's waiting (TTFT); see ``docs/cost-model.md`` for the default.
+
+**Pacing.** An SSD's :class:`~kvtier.policies.budget.WriteBudget` is a hard cap (DWPD x
+capacity x headroom per window). Under it, ``pressure(t) = 1 / fill`` where ``fill`` is
+the share of the window's allowance still unspent: with the budget full, every victim
+worth its wear is written; as it drains, only the likelier ones are, so the allowance
+lasts through the window and goes to the chunks most likely to be read again, instead
+of being spent first-come and then switching demotion off.
 
 Called under the store's lock: everything here is O(keys) arithmetic.
 """
@@ -30,11 +44,14 @@ from typing_extensions import override
 
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
-from kvtier.store.policy import PlacementPolicy
+from kvtier.store.policy import PlacementPolicy, TierView
 
 from .budget import WriteBudget
 from .profiles import TierSpec
 from .reuse import ReuseTracker
+
+MIN_FILL = 1e-3
+"""Below this share of the allowance left, the pressure stops growing (the cap decides)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,9 +62,9 @@ class Economics:
         chunk_bytes: bytes of one chunk's KV (the real size, also when a simulation
             stores smaller stand-ins).
         recompute_s: seconds to recompute one chunk (average over context positions).
-        value_per_s: $ per second of recompute avoided.
+        value_per_s: $ per second of recompute avoided (GPU time plus user waiting).
         horizon_s: how long a stored chunk is expected to stay, for its storage cost.
-        window_s: write-budget enforcement window (see :class:`WriteBudget`).
+        window_s: write-budget window (see :class:`WriteBudget`).
     """
 
     chunk_bytes: int
@@ -75,6 +92,8 @@ class PlacementStats:
     promotions: int
     promotions_declined: int
     budget_granted_bytes: tuple[float, ...]
+    colder_refusals: tuple[int, ...] = ()
+    value_refusals: tuple[int, ...] = ()
 
 
 @dataclass
@@ -83,13 +102,15 @@ class _Counters:
     refused: list[int] = field(default_factory=list)
     demoted_to: list[int] = field(default_factory=list)
     budget_refusals: list[int] = field(default_factory=list)
+    colder_refusals: list[int] = field(default_factory=list)
+    value_refusals: list[int] = field(default_factory=list)
     dropped: int = 0
     promotions: int = 0
     promotions_declined: int = 0
 
 
 class CostAwarePlacement(PlacementPolicy):
-    """Latency-cost placement, admission with a write budget, and promotion.
+    """Cache-like placement with a latency-cost model and a paced SSD write budget.
 
     Args:
         tiers: one :class:`TierSpec` per store tier, in the store's order.
@@ -98,7 +119,8 @@ class CostAwarePlacement(PlacementPolicy):
         tracker: reuse evidence; a fresh one when None.
         clock: seconds; trace time in a simulation.
         budgets: explicit budgets per tier index; by default every tier that wears gets
-            ``TierSpec.write_budget_Bps(capacity) * 86400`` bytes/day.
+            ``TierSpec.write_budget_Bps(capacity) * 86400`` bytes/day over
+            ``economics.window_s``.
     """
 
     def __init__(
@@ -125,24 +147,35 @@ class CostAwarePlacement(PlacementPolicy):
                 if t.wears
             }
         self.budgets = budgets
+        self._view: TierView | None = None
         b = economics.chunk_bytes
         # Per-tier constants of the benefit formula, per chunk.
         self._gain = [
             max(economics.recompute_s - t.load_time_s(b), 0.0) * economics.value_per_s
             for t in self.tiers
         ]
-        self._cost = [
-            b * (t.wear_cost_per_byte() + t.storage_cost_per_byte_s() * economics.horizon_s)
-            for t in self.tiers
-        ]
+        self._wear = [b * t.wear_cost_per_byte() for t in self.tiers]
+        self._hold = [b * t.storage_cost_per_byte_s() * economics.horizon_s for t in self.tiers]
         self._load = [t.load_time_s(b) for t in self.tiers]
         n = len(self.tiers)
-        self._c = _Counters([0] * n, [0] * n, [0] * n, [0] * n)
+        self._c = _Counters([0] * n, [0] * n, [0] * n, [0] * n, [0] * n, [0] * n)
+
+    @override
+    def bind(self, view: TierView) -> None:
+        self._view = view
 
     # -- the model ------------------------------------------------------------------------
 
+    def pressure(self, tier: int) -> float:
+        """Price multiplier on ``tier``'s wear: 1 with its budget unspent, 1/fill as it drains."""
+        budget = self.budgets.get(tier)
+        if budget is None or budget.allowance_bytes <= 0:
+            return 1.0
+        fill = budget.available() / budget.allowance_bytes
+        return 1.0 / max(fill, MIN_FILL)
+
     def benefit(self, tier: int, keys: Sequence[ChunkKey], *, victims: bool = False) -> float:
-        """Net $ of keeping ``keys`` in ``tier`` (positive: worth it).
+        """Net $ of keeping ``keys`` in ``tier`` (positive: worth it), at today's pressure.
 
         ``victims``: the keys are being evicted, so their learned victim odds apply.
         """
@@ -150,36 +183,49 @@ class CostAwarePlacement(PlacementPolicy):
             p_sum, n = self.tracker.mean_victim_probability(keys)
         else:
             p_sum, n = self.tracker.mean_probability(keys)
-        return p_sum * self._gain[tier] - n * self._cost[tier]
+        cost = self._wear[tier] * self.pressure(tier) + self._hold[tier]
+        return p_sum * self._gain[tier] - n * cost
 
-    def _place(self, tier: int, keys: Sequence[ChunkKey], *, victims: bool = False) -> bool:
-        """Worth it and within the write budget (which is spent when granted)."""
-        if self.benefit(tier, keys, victims=victims) <= 0:
-            return False
-        budget = self.budgets.get(tier)
-        if budget is not None and not budget.try_spend(len(keys) * self.econ.chunk_bytes):
-            self._c.budget_refusals[tier] += len(keys)
-            return False
-        return True
+    def _colder_below(self, tier: int, keys: Sequence[ChunkKey]) -> bool:
+        """``tier`` has room for ``keys``, or holds victims no likelier to be reused."""
+        view = self._view
+        if view is None or view.free_slots(tier) >= len(keys):
+            return True
+        theirs = view.coldest(tier, len(keys))
+        if len(theirs) < len(keys):
+            return True  # the store decides whether room can be made at all
+        mine, _ = self.tracker.mean_victim_probability(keys)
+        other, _ = self.tracker.mean_victim_probability(theirs)
+        return mine >= other  # a tie goes to the newcomer: it is the more recent
 
     # -- PlacementPolicy ------------------------------------------------------------------
 
     @override
     def admit(self, tier: int, keys: Sequence[ChunkKey], value_bytes: int) -> bool:
-        ok = self._place(tier, keys)
-        if ok:
-            self._c.admitted[tier] += len(keys)
-        else:
-            self._c.refused[tier] += len(keys)
-        return ok
+        # A put is never refused for lack of history: it goes where the store offers.
+        # Its SSD bytes still count against the budget, so demotions slow down.
+        budget = self.budgets.get(tier)
+        if budget is not None:
+            budget.spend(len(keys) * self.econ.chunk_bytes)
+        self._c.admitted[tier] += len(keys)
+        return True
 
     @override
     def demote_target(self, tier: int, n_tiers: int, keys: Sequence[ChunkKey]) -> int | None:
         self.tracker.victims(keys)
         for target in range(tier + 1, n_tiers):
-            if self._place(target, keys, victims=True):
-                self._c.demoted_to[target] += len(keys)
-                return target
+            if not self._colder_below(target, keys):
+                self._c.colder_refusals[target] += len(keys)
+                continue
+            if self.benefit(target, keys, victims=True) <= 0:
+                self._c.value_refusals[target] += len(keys)
+                continue
+            budget = self.budgets.get(target)
+            if budget is not None and not budget.try_spend(len(keys) * self.econ.chunk_bytes):
+                self._c.budget_refusals[target] += len(keys)
+                continue
+            self._c.demoted_to[target] += len(keys)
+            return target
         self._c.dropped += len(keys)
         self.tracker.dropped(keys)
         return None
@@ -196,10 +242,10 @@ class CostAwarePlacement(PlacementPolicy):
     def should_promote(self, tier: int, keys: Sequence[ChunkKey]) -> bool:
         # Promotion moves chunks up (the store's tiers are exclusive); when they are
         # evicted again they are written down again. Worth it when the time saved on
-        # the next hits beats the wear of that rewrite.
+        # the next hits beats the wear of that rewrite, at the budget's pressure.
         p_sum, n = self.tracker.mean_probability(keys)
         saved = p_sum * (self._load[tier] - self._load[0]) * self.econ.value_per_s
-        rewrite = n * self.econ.chunk_bytes * self.tiers[tier].wear_cost_per_byte()
+        rewrite = n * self._wear[tier] * self.pressure(tier)
         ok = saved > rewrite
         if ok:
             self._c.promotions += n
@@ -221,4 +267,6 @@ class CostAwarePlacement(PlacementPolicy):
                 self.budgets[i].granted_bytes if i in self.budgets else 0.0
                 for i in range(len(self.tiers))
             ),
+            colder_refusals=tuple(c.colder_refusals),
+            value_refusals=tuple(c.value_refusals),
         )

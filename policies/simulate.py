@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from kvtier.config import PlacementConfig, StoreConfig
 from kvtier.errors import InputError
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
@@ -39,6 +40,10 @@ from .trace import Trace
 STAND_IN_BYTES = 4096
 """Bytes of one simulated slot (one chunk); the store needs a size, the tiers keep none."""
 
+_LIVE_PLACEMENT = PlacementConfig()
+_LIVE_STORE = StoreConfig()
+"""What a live store does by default; the simulator's ``kvtier`` policy starts from it."""
+
 POLICIES = ("kvtier", "lru-write-through", "arc-write-through")
 
 
@@ -53,24 +58,26 @@ class SimConfig:
         policy: ``kvtier`` (cost-aware placement, admission, write budget, cost-aware
             eviction) or a baseline: ``lru-write-through`` / ``arc-write-through``
             (keep everything, demote tier by tier, as the peers do).
-        value_of_latency_per_s: $ per second of user waiting, added to GPU time.
+        value_of_latency_per_s: $ per second of user waiting, added to GPU time (default:
+            the live store's, ``[placement] value_of_latency_per_s``).
         horizon_s: expected stay of a chunk, for its storage cost in placement.
         budget_window_s: write-budget window (one day: the budget is bytes per day; 3600
             paces it per hour).
         promote_on_hit: let the store promote lower-tier hits (placement may decline).
         eviction: eviction order under ``kvtier`` (``cost``: by the placement's reuse
-            odds; or a registered name such as ``lru``, ``arc``); baselines use their own.
+            odds; or a registered name such as ``lru``, ``arc``; default: the live
+            store's, ``store.eviction``); baselines use their own.
     """
 
     model: ModelCompute
     hardware: Hardware
     capacities_bytes: tuple[int, ...]
     policy: str = "kvtier"
-    value_of_latency_per_s: float = 0.0
+    value_of_latency_per_s: float = _LIVE_PLACEMENT.value_of_latency_per_s
     horizon_s: float = 0.0
-    budget_window_s: float = 86400.0
+    budget_window_s: float = _LIVE_PLACEMENT.write_budget_window_s
     promote_on_hit: bool = True
-    eviction: str = "cost"
+    eviction: str = _LIVE_STORE.eviction
 
     def __post_init__(self) -> None:
         if len(self.capacities_bytes) != len(self.hardware.tiers):

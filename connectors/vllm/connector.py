@@ -9,6 +9,9 @@ Enable it with::
         "kv_connector_extra_config": {"config_file": "kvtier.toml", "store.chunk_tokens": 256},
     }
 
+``kv_role``: ``kv_producer`` saves and never loads, ``kv_consumer`` loads and never saves,
+``kv_both`` does both; the prefill handoff rides in ``kv_transfer_params`` (handoff.py).
+
 vLLM builds this class twice, in different processes: with the SCHEDULER role in the
 EngineCore (a :class:`SchedulerSide`) and with the WORKER role in each worker (a
 :class:`WorkerSide`). Every method delegates to the one its role built.
@@ -32,11 +35,18 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.errors import SpecError
 from kvtier.spec import DType, KVSpec
 
+from .handoff import Role
 from .keys import KeyScheme
 from .metadata import KVTierConnectorStats, KVTierMetadata, KVTierWorkerMeta
 from .remote import DaemonLookup, RemoteStore
 from .scheduler import SchedulerSide
-from .settings import ChunkShape, config_from_extra, daemon_from_extra, mirror_capacity
+from .settings import (
+    ChunkShape,
+    config_from_extra,
+    daemon_from_extra,
+    mirror_capacity,
+    prefill_wait_from_extra,
+)
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -51,6 +61,22 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+
+def route_logs(level: str) -> None:
+    """Let kvtier's log lines reach the engine's output at ``level`` (config ``log_level``).
+
+    vLLM configures only its own ``vllm`` logger; without a handler, kvtier's reasons
+    (a consumer's recompute, a daemon that stopped answering) below WARNING would be lost.
+    Nothing changes where the process already configured logging (a root handler).
+    """
+    kv = logging.getLogger("kvtier")
+    if kv.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
+    kv.addHandler(handler)
+    kv.setLevel(level.upper())
 
 
 def spec_from_vllm(vllm_config: VllmConfig, tp_rank: int = 0) -> KVSpec:
@@ -98,8 +124,12 @@ class KVTierConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = self._kv_transfer_config
-        self.cfg = config_from_extra(ktc.kv_connector_extra_config or {})
-        self.daemon = daemon_from_extra(ktc.kv_connector_extra_config or {})
+        extra = ktc.kv_connector_extra_config or {}
+        self.cfg = config_from_extra(extra)
+        route_logs(self.cfg.log_level)
+        self.daemon = daemon_from_extra(extra)
+        self.kv_role = Role.parse(ktc.kv_role)
+        prefill_wait_s = prefill_wait_from_extra(extra)
         shape = ChunkShape.of(self.cfg.store.chunk_tokens, int(vllm_config.cache_config.block_size))
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
             raise SpecError(
@@ -133,6 +163,17 @@ class KVTierConnector(KVConnectorBase_V1):
                     self.cfg, per_rank.chunk_bytes(self.cfg.store.chunk_tokens)
                 ),
                 remote=remote,
+                role=self.kv_role,
+                prefill_wait_s=prefill_wait_s,
+            )
+            log.info(
+                "kvtier connector: %s (%s)",
+                self.kv_role.value,
+                {
+                    Role.PRODUCER: "saves, never loads",
+                    Role.CONSUMER: "loads, never saves",
+                    Role.BOTH: "loads and saves",
+                }[self.kv_role],
             )
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank

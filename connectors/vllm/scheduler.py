@@ -7,9 +7,9 @@ It owns no bytes. It keeps a *mirror* of what the workers' stores hold and answe
   starts from what each worker's persistent tiers recovered and follows every store's
   index through the events the workers forward (mirror.py), so a chunk that left every
   tier leaves the mirror and a restarted engine finds what the last one stored;
-* daemon mode: a :class:`KeyMirror` of the logical keys the workers confirmed stored
-  (bounded LRU; the daemon's evictions are not seen, a failed load forgets a key), and
-  the daemon is asked beyond it.
+* daemon mode: a :class:`KeyMirror` of the logical keys the workers confirmed stored or
+  the daemon reported (bounded LRU; the daemon's evictions are not seen, a failed load
+  forgets a key), and the daemon is asked beyond it.
  It plans loads and saves and ships them to the workers in
 :class:`KVTierMetadata`. See docs/architecture.md, "vLLM connector", for why the index
 is split this way.
@@ -25,6 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .handoff import PrefillWaits, Role, handoff_of, producer_params
 from .keys import KeyScheme, request_extra
 from .metadata import (
     KVTierConnectorStats,
@@ -134,6 +135,9 @@ class SchedulerSide:
         mirror_capacity: most keys the daemon-mode mirror lists.
         remote: daemon mode: asks the shared daemon for chunks beyond the mirror (stored by
             other engines).
+        role: vLLM's ``kv_role``: a producer never loads, a consumer never saves
+            (handoff.py).
+        prefill_wait_s: longest wait for a prefill named in ``kv_transfer_params``.
     """
 
     # How long a request may wait for the workers' salts and index snapshots (they
@@ -152,6 +156,8 @@ class SchedulerSide:
         world_size: int,
         mirror_capacity: int,
         remote: DaemonLookup | None = None,
+        role: Role = Role.BOTH,
+        prefill_wait_s: float = 0.0,
     ) -> None:
         self.scheme = scheme
         self.hasher = scheme.hasher()
@@ -163,11 +169,15 @@ class SchedulerSide:
             KeyMirror(mirror_capacity) if remote is not None else StoreMirror(world_size)
         )
         self.remote = remote
+        self.role = role
+        self.waits = PrefillWaits(prefill_wait_s, shared=remote is not None, role=role)
         self._salt_wait_since: float | None = None
-        # Daemon answers per request: req id -> (first key asked, keys asked, hits). vLLM
-        # asks again for a request it could not place; one round trip per request is
-        # enough (and repeated lookups would count as repeated misses on the daemon).
-        self._remote_memo: dict[str, tuple[bytes, int, int]] = {}
+        # Daemon lookups per request: req id -> (last key asked, when). What the daemon
+        # held went into the mirror. vLLM asks again for a request it could not place;
+        # one round trip per request is enough (and repeated lookups would count as
+        # repeated misses on the daemon), except while the request waits for a named
+        # prefill (one per PrefillWaits.POLL_S).
+        self._remote_memo: dict[str, tuple[bytes, float]] = {}
         # key -> [ranks confirmed, ranks failed, step planned], for saves in flight.
         self._pending: dict[bytes, list[int]] = {}
         # Steps counted by build_connector_meta; step -> its saves not yet settled.
@@ -200,26 +210,38 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        keys = self._keys(request)
         rid = request.request_id
+        limit = (request.num_tokens - 1) // self.chunk_tokens
+        if not self.role.loads:
+            # A producer computes every token. It asks the daemon only so that it does not
+            # save again what another engine stored (_remote_hits adds it to the mirror).
+            n = matched_chunks(keys, request.num_tokens, self.chunk_tokens, self.mirror, {})
+            if self.remote is not None and n is not None and n < limit and self.remote.ready():
+                self._remote_hits(rid, keys[n:limit])
+            return 0, False
         arrived = self._arrived.get(rid)
         if arrived is None:
             arrived = self._arrived[rid] = (self._step, time.monotonic())
         if not self.mirror.ready() and self._waiting_for_workers():
             return None, False
-        keys = self._keys(request)
         n = matched_chunks(keys, request.num_tokens, self.chunk_tokens, self.mirror, self._pending)
         if n is None:
             return None, False
+        handoff = handoff_of(request.kv_transfer_params, rid)
+        if self.remote is not None and n < limit and keys[n] not in self._pending:
+            more = self._remote_hits(rid, keys[n:limit], repoll=self.waits.is_waiting(rid))
+            if more is None:
+                return None, False
+            n += more
+        if handoff is not None and self.waits.should_wait(
+            rid, handoff, keys, n, limit, time.monotonic()
+        ):
+            return None, False
         if n > 0 and not self._fenced(arrived):
             return None, False
-        if self.remote is not None:
-            limit = (request.num_tokens - 1) // self.chunk_tokens
-            if n < limit and keys[n] not in self._pending:
-                more = self._remote_hits(request.request_id, keys[n:limit])
-                if more is None:
-                    return None, False
-                n += more
-        self._lookup[request.request_id] = (num_computed_tokens, n)
+        self.waits.settled(rid, n, limit)
+        self._lookup[rid] = (num_computed_tokens, n)
         hit = n * self.chunk_tokens - num_computed_tokens
         # Loads are synchronous (before this step's forward): on a CPU engine the copy
         # from host memory takes far less than a step, and the request runs at once.
@@ -241,17 +263,25 @@ class SchedulerSide:
             return True
         return time.monotonic() - since >= self.FENCE_WAIT_S
 
-    def _remote_hits(self, req_id: str, keys: list[bytes]) -> int | None:
-        """Chunks the daemon holds beyond the mirror; None to ask again next step."""
+    def _remote_hits(self, req_id: str, keys: list[bytes], repoll: bool = False) -> int | None:
+        """Chunks the daemon holds beyond the mirror; None to ask again next step.
+
+        What the daemon holds joins the mirror: a later request with those chunks that
+        vLLM serves from its own prefix cache must not save them again.
+        """
         remote = self.remote
         assert remote is not None
         memo = self._remote_memo.get(req_id)
-        if memo is not None and memo[0] == keys[0] and memo[1] == len(keys):
-            return memo[2]
+        now = time.monotonic()
+        fresh = memo is not None and not (repoll and now - memo[1] >= PrefillWaits.POLL_S)
+        if memo is not None and memo[0] == keys[-1] and fresh:
+            return 0  # asked already: what it held is in the mirror now
         if not remote.ready():
             return None if self._waiting_for_workers() else 0
         hits = remote.hits(keys)
-        self._remote_memo[req_id] = (keys[0], len(keys), hits)
+        self._remote_memo[req_id] = (keys[-1], now)
+        for key in keys[:hits]:
+            self.mirror.confirm(key)
         return hits
 
     def update_state_after_alloc(
@@ -294,6 +324,10 @@ class SchedulerSide:
     # -- per step -------------------------------------------------------------------------
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVTierMetadata:
+        if self.waits.waiting and so.total_num_scheduled_tokens == 0:
+            # Nothing runs but requests waiting for a prefill: vLLM would spin through
+            # empty steps. A short pause frees the CPU and delays nothing that is queued.
+            time.sleep(PrefillWaits.POLL_S)
         meta = KVTierMetadata(loads=self._loads, preempted=frozenset(so.preempted_req_ids or ()))
         self._loads = []
         for new in so.scheduled_new_reqs:
@@ -318,6 +352,8 @@ class SchedulerSide:
         return meta
 
     def _plan_saves(self, st: _Req, n_sched: int, meta: KVTierMetadata) -> None:
+        if not self.role.saves:
+            return  # a consumer: what it computes stays in vLLM's own cache
         req = st.request
         C = self.chunk_tokens
         # num_computed_tokens is not yet advanced: after this step it grows by n_sched.
@@ -355,7 +391,19 @@ class SchedulerSide:
         self._memo.pop(rid, None)
         self._remote_memo.pop(rid, None)
         self._arrived.pop(rid, None)
-        return (st is not None and st.had_saves), None
+        self.waits.forget(rid)
+        params = self._handoff(st) if st is not None and self.role is Role.PRODUCER else None
+        return (st is not None and st.had_saves), params
+
+    def _handoff(self, st: _Req) -> dict[str, Any] | None:
+        """A producer's answer for the consumer: the leading chunks stored or being saved."""
+        limit = (st.request.num_prompt_tokens - 1) // self.chunk_tokens
+        n = 0
+        for key in st.keys[:limit]:
+            if key not in self.mirror and key not in self._pending:
+                break  # a save that failed, or a chunk this request never completed
+            n += 1
+        return producer_params(n, st.keys[n - 1]) if n else None
 
     def update_connector_output(self, worker_meta: KVTierWorkerMeta | None) -> None:
         if worker_meta is None:

@@ -8,8 +8,9 @@ environment variables, then the dotted keys. Both sides of vLLM load the same
 configuration from the same JSON, so they agree on chunk size and capacity.
 
 Daemon mode (remote.py): ``url``, ``token`` and ``daemon_timeout_s`` name a running
-``kvtier serve`` instead of an embedded store; they are the connector's own keys, not
-kvtier settings.
+``kvtier serve`` instead of an embedded store; ``prefill_wait_s`` bounds a consumer's
+wait for a named prefill (handoff.py). They are the connector's own keys, not kvtier
+settings.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ URL_KEY = "url"
 TOKEN_KEY = "token"
 TIMEOUT_KEY = "daemon_timeout_s"
 DAEMON_KEYS = frozenset({URL_KEY, TOKEN_KEY, TIMEOUT_KEY})
+PREFILL_WAIT_KEY = "prefill_wait_s"
+# The connector's own keys of kv_connector_extra_config: not kvtier settings.
+CONNECTOR_KEYS = DAEMON_KEYS | {CONFIG_FILE_KEY, PREFILL_WAIT_KEY}
+# How long a consumer waits, at most, for a prefill named in kv_transfer_params (handoff.py).
+DEFAULT_PREFILL_WAIT_S = 5.0
 
 # How many more chunks the scheduler's mirror of the store may list than the store can
 # hold. The mirror learns about evictions lazily (a failed load removes the key), so it
@@ -49,7 +55,7 @@ def config_from_extra(
     nested: dict[str, Any] = {}
     dotted: list[str] = []
     for key, value in extra.items():
-        if key == CONFIG_FILE_KEY or key in DAEMON_KEYS:
+        if key in CONNECTOR_KEYS:
             continue
         if "." in key:
             dotted.append(f"{key}={value}")
@@ -127,3 +133,19 @@ def daemon_from_extra(extra: Mapping[str, Any]) -> DaemonSettings | None:
         raise ConfigError(TIMEOUT_KEY, timeout_s, "seconds > 0")
     token = extra.get(TOKEN_KEY) or None
     return DaemonSettings(url, str(token) if token else None, timeout_s)
+
+
+def prefill_wait_from_extra(extra: Mapping[str, Any]) -> float:
+    """Longest wait of a consumer for a prefill named in ``kv_transfer_params``, in seconds.
+
+    Raises:
+        ConfigError: not a number >= 0.
+    """
+    raw = extra.get(PREFILL_WAIT_KEY, DEFAULT_PREFILL_WAIT_S)
+    try:
+        wait_s = float(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(PREFILL_WAIT_KEY, raw, "seconds >= 0") from exc
+    if not wait_s >= 0 or wait_s == float("inf"):
+        raise ConfigError(PREFILL_WAIT_KEY, raw, "seconds >= 0")
+    return wait_s

@@ -113,6 +113,8 @@ def calc(
     rounds: Annotated[int, typer.Option(help="Search rounds (coordinate descent).")] = 3,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the result as JSON.")] = None,  # noqa: UP045
     plots: Annotated[Optional[Path], typer.Option(help="Directory for PNG plots.")] = None,  # noqa: UP045
+    write_config: Annotated[Optional[Path], typer.Option("--write-config", help="Write the chosen plan as a kvtier TOML config (for kvtier serve --config or the connector's config_file).")] = None,  # noqa: UP045
+    nvme_dir: Annotated[str, typer.Option(help="With --write-config: directory of the nvme tier's slab files.")] = "/var/lib/kvtier/nvme",
 ) -> None:
     """Recommend capacities per tier for a workload: hit rates, TTFT, $/month, SSD wear.
 
@@ -168,6 +170,14 @@ def calc(
                               slo_s=slo, budget_per_month=budget)
     if inputs.json_out is not None:
         _write_json(inputs.json_out, doc)
+    if write_config is not None:
+        from kvtier.policies.calc import plan_config
+
+        write_config.write_text(plan_config(
+            model, inputs.model, hardware, inputs.hardware, inputs.trace, p.capacities_bytes,
+            p.best, policy=inputs.policy, nvme_dir=nvme_dir,
+        ))
+        out.print(f"config: {write_config} (kvtier serve --config {write_config})")
     if not p.goal_met:
         raise typer.Exit(1)
 

@@ -158,21 +158,27 @@ def bench(
         Path | None, typer.Option("--json", help="Write results as JSON.")
     ] = None,
 ) -> None:
-    """Run a benchmark from kvtier.bench; extra arguments go to the benchmark."""
-    module_name = name.replace("-", "_")
-    try:
-        module = importlib.import_module(f"kvtier.bench.{module_name}")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"kvtier.bench.{module_name}":
-            raise
-        from kvtier.bench import available
+    """Run a benchmark from kvtier.bench; extra arguments go to the benchmark.
 
-        print_error(console, f"no benchmark {name!r}; available: {', '.join(available())}")
-        raise typer.Exit(2) from None
+    ``kvtier bench NAME --help`` shows the benchmark's own options.
+    """
     argv = list(ctx.args)
     if json_out is not None:
         argv += ["--json", str(json_out)]
-    raise typer.Exit(module.main(argv))
+    raise typer.Exit(run_bench(name, argv))
+
+
+def run_bench(name: str, argv: list[str]) -> int:
+    """Run benchmark ``name`` with its own arguments; its exit status (2: no such benchmark)."""
+    from kvtier.bench import available
+
+    module_name = name.replace("-", "_")
+    if module_name not in available():
+        print_error(console, f"no benchmark {name!r}; available: {', '.join(available())}")
+        return 2
+    module = importlib.import_module(f"kvtier.bench.{module_name}")
+    status: int = module.main(argv)
+    return status
 
 
 def _register_calc() -> None:
@@ -187,7 +193,12 @@ _register_calc()
 
 def main() -> None:
     """Entry point: turn kvtier errors into one clear line and exit status 2."""
+    argv = sys.argv[1:]
     try:
+        if len(argv) >= 2 and argv[0] == "bench" and not argv[1].startswith("-"):
+            # A benchmark parses its own options, --help included (typer would answer
+            # --help with this command's help instead).
+            sys.exit(run_bench(argv[1], argv[2:]))
         app()
     except KVTierError as exc:
         print_error(console, str(exc))

@@ -315,6 +315,27 @@ class StoreIndex:
             )
             return self.tiers[t].free_slots + evictable
 
+    def free_slots(self, tier: int) -> int:
+        """Free slots of ``tier`` (:class:`~kvtier.store.policy.TierView`)."""
+        return self.tiers[tier].free_slots
+
+    def coldest(self, tier: int, n: int) -> list[ChunkKey]:
+        """Up to ``n`` of ``tier``'s next victims, pinned and busy ones skipped
+        (:class:`~kvtier.store.policy.TierView`: placement compares them with a victim
+        from above before it demotes one)."""
+        out: list[ChunkKey] = []
+        if n < 1:
+            return out
+        with self.lock:
+            for key in self._evict[tier].candidates():
+                e = self._entries.get(key)
+                if e is None or e.pins or e.moving or e.slot.readers or e.slot.tier != tier:
+                    continue
+                out.append(key)
+                if len(out) >= n:
+                    break
+        return out
+
     def pick_victims_locked(self, t: int, deficit: int) -> list[Slot]:
         """Claim up to ``deficit`` of tier ``t``'s coldest free chunks for a mover."""
         keys: list[ChunkKey] = []

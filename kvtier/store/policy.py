@@ -4,7 +4,8 @@ Two narrow ABCs:
 
 * :class:`EvictionPolicy` orders one tier's chunks, coldest first.
 * :class:`PlacementPolicy` decides where a new chunk goes, and where a victim goes
-  when its tier needs room (one tier down, or dropped).
+  when its tier needs room (one tier down, or dropped). The store lets it see free room
+  and coldest chunks of every tier through a read-only :class:`TierView`.
 
 Policies are called under the store's lock: they must be fast and must not call back
 into the store. Eviction is atomic at the store level: a make-room pass frees exactly
@@ -16,7 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from typing import cast
+from typing import Protocol, cast
 
 from typing_extensions import override
 
@@ -69,8 +70,23 @@ class LRUEviction(EvictionPolicy):
         return iter(self._order)  # the store never mutates while it iterates
 
 
+class TierView(Protocol):
+    """What a placement may see of the store's tiers. Called under the store's lock."""
+
+    def free_slots(self, tier: int) -> int:
+        """Slots of ``tier`` free now."""
+        ...
+
+    def coldest(self, tier: int, n: int) -> Sequence[ChunkKey]:
+        """Up to ``n`` chunks ``tier`` would evict next (pinned and busy ones skipped)."""
+        ...
+
+
 class PlacementPolicy(ABC):  # noqa: B024 - every hook has a sane default; subclass what you need
     """Where chunks go. The default keeps everything and demotes one tier at a time."""
+
+    def bind(self, view: TierView) -> None:  # noqa: B027 - optional hook
+        """The store this policy drives was built; ``view`` shows its tiers' room."""
 
     def admit(self, tier: int, keys: Sequence[ChunkKey], value_bytes: int) -> bool:
         """May these new chunks be written into ``tier``? Default: yes."""
@@ -97,9 +113,11 @@ class WriteThrough(PlacementPolicy):
 
 EvictionFactory = Callable[[], EvictionPolicy]
 PlacementFactory = Callable[..., PlacementPolicy]
-"""Builds a placement from ``(tiers, spec, chunk_tokens)`` of the store it will drive."""
+"""Builds a placement from ``(tiers, spec, chunk_tokens)`` of the store it will drive, with
+keywords ``settings`` (the ``[placement]`` section) and, when replaying a trace, ``clock``."""
 
-def keep_everything(*_args: object) -> PlacementPolicy:
+
+def keep_everything(*_args: object, **_kwargs: object) -> PlacementPolicy:
     """The ``keep`` placement: :class:`WriteThrough`, whatever the store."""
     return WriteThrough()
 

@@ -107,6 +107,7 @@ class TieredStore:
         self._index.emit = self._mover.emit
         self.slot_bytes = self._mover.slot_bytes
         self.placement = self._mover.placement
+        self.placement.bind(self._index)
         self.promote_on_hit = promote_on_hit
         self._pool: ThreadPoolExecutor | _InlineExecutor = (
             ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")

@@ -26,16 +26,16 @@ chunk of blocks stored together is one contiguous value.
 Needs torch (imported by this package, not by the rest of the core).
 """
 
-from kvtier.transfer.base import BlockMover, HostOrder, TransferHandle, TransferOptions
+from kvtier.transfer.base import HostOrder, PagedTransfer, TransferHandle, TransferOptions
 from kvtier.transfer.engine import TransferEngine, Unit, plan
 from kvtier.transfer.layout import Layout, PagedKV, PageGeometry, describe, make_paged_cache
 
 __all__ = [
-    "BlockMover",
     "HostOrder",
     "Layout",
     "PageGeometry",
     "PagedKV",
+    "PagedTransfer",
     "TransferEngine",
     "TransferHandle",
     "TransferOptions",

@@ -91,8 +91,13 @@ class TransferHandle(ABC):
         """
 
 
-class BlockMover(ABC):
+class PagedTransfer(ABC):
     """Moves whole blocks of every layer between a paged KV cache and host bytes.
+
+    Asynchronous (handles, per-layer events); :class:`TransferEngine` implements it. Not
+    to be confused with the vLLM connector's ``BlockMover``
+    (:mod:`kvtier.connectors.vllm.mover`), the connector's synchronous gather/scatter
+    seam, one of whose implementations drives this engine.
 
     Host bytes are ``[layer][run][block][run_bytes]`` for the blocks in the order given
     (see :mod:`kvtier.transfer.layout`), or block-major with ``order=HostOrder.BLOCK``;

@@ -35,7 +35,7 @@ import torch
 from typing_extensions import override
 
 from kvtier.errors import ClosedError, InputError
-from kvtier.transfer.base import BlockMover, HostOrder, TransferHandle, TransferOptions
+from kvtier.transfer.base import HostOrder, PagedTransfer, TransferHandle, TransferOptions
 from kvtier.transfer.layout import PagedKV
 from kvtier.transfer.sync import CpuSync, Sync
 
@@ -136,7 +136,7 @@ class _Handle(TransferHandle):
         self._sync.current_waits(self._layer_events[layer])
 
 
-class TransferEngine(BlockMover):
+class TransferEngine(PagedTransfer):
     """Moves blocks between one device's paged KV caches and host memory.
 
     Args:

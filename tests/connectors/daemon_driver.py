@@ -7,7 +7,9 @@ MODE ``store``: compute the shared prompt (its chunks go to the daemon), then ru
 again (a hit loaded back from the daemon, proving the chunks are there).
 
 MODE ``mp``: the default multi-process engine (scheduler side and worker in different
-processes, so the workers' salts cross a process boundary): run the shared prompt once.
+processes, so the workers' salts cross a process boundary), with vLLM's prefix cache on:
+run the shared prompt (a hit from the daemon), then again (served from vLLM's own prefix
+cache: the connector must not save the chunks the daemon holds again).
 
 MODE ``share``: another engine. Run the shared prompt (a hit on the first engine's
 chunks), then hand-shake with the test through files in OUT_DIR: ``down?`` -> the test
@@ -57,7 +59,7 @@ def main(model: str, url: str, out_dir: str, mode: str) -> None:
         block_size=BLOCK,
         max_model_len=1024,
         max_num_seqs=2,
-        enable_prefix_caching=False,
+        enable_prefix_caching=mode == "mp",
         seed=0,
         enforce_eager=True,
         kv_transfer_config=kv_transfer_config(url=url, daemon_timeout_s=0.5),
@@ -78,7 +80,13 @@ def main(model: str, url: str, out_dir: str, mode: str) -> None:
         )
     elif mode == "mp":
         mp = eng.generate(shared)
-        r.update(mp=mp.tokens, mp_cached=mp.num_cached_tokens)
+        repeat = eng.generate(shared)
+        r.update(
+            mp=mp.tokens,
+            mp_cached=mp.num_cached_tokens,
+            repeat=repeat.tokens,
+            repeat_cached=repeat.num_cached_tokens,
+        )
     else:
         hit = eng.generate(shared)
         r.update(hit=hit.tokens, hit_cached=hit.num_cached_tokens, totals_hit=eng.totals())
@@ -86,7 +94,7 @@ def main(model: str, url: str, out_dir: str, mode: str) -> None:
         wait_for(out / "down")
         other = prompt(11, PROMPT_TOKENS)
         down_new = eng.generate(other)  # computed; its save is dropped
-        down_shared = eng.generate(shared)  # not in this engine's mirror: asks the daemon
+        down_shared = eng.generate(shared)  # in the mirror (loaded before): the load fails
         recomputed = eng.generate(other, cache_salt="recompute")
         r.update(
             down_new=down_new.tokens,

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
-from tests.connectors.conftest import CHUNK
+from tests.connectors.conftest import BLOCK, CHUNK
 from tests.service.conftest import Daemon, free_port, start_daemon
 
 pytest.importorskip("vllm")
@@ -38,6 +39,7 @@ HIT_TOKENS = 4 * CHUNK  # the 300-token prompt's full chunks
 class Runs:
     store: dict[str, Any]
     mp: dict[str, Any]
+    mp_store: dict[str, dict[str, int]]  # the daemon's store counters before/after "mp"
     share: dict[str, Any]
     share_log: str
 
@@ -85,10 +87,12 @@ def runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         daemons.append(start_daemon(tmp, *data, port=port))
 
         log_mp = tmp / "engine-mp.log"
+        before = httpx.get(url + "/v1/stats", timeout=5).json()["store"]
         mp = _driver(tiny_model, url, tmp, "mp", log_mp)
         procs.append(mp)
         _wait(mp, tmp / "result-mp.json", log_mp)
         assert mp.wait(timeout=120) == 0, log_mp.read_text()[-4000:]
+        after = httpx.get(url + "/v1/stats", timeout=5).json()["store"]
 
         b = _driver(tiny_model, url, tmp, "share", log_b)
         procs.append(b)
@@ -104,6 +108,7 @@ def runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         yield Runs(
             json.loads((tmp / "result-store.json").read_text()),
             json.loads((tmp / "result-mp.json").read_text()),
+            {"before": before, "after": after},
             json.loads((tmp / "result-share.json").read_text()),
             log_b.read_text(),
         )
@@ -140,13 +145,27 @@ def test_multiprocess_engine_hits_what_the_first_stored(runs: Runs) -> None:
     assert runs.mp["mp"] == runs.store["first"]
 
 
+def test_prefix_cache_repeat_does_not_re_put_what_the_daemon_holds(runs: Runs) -> None:
+    # The repeat is served from vLLM's own prefix cache (288 tokens: 9 blocks), beyond
+    # kvtier's 4 chunks. It used to save those 4 chunks again (put_present grew by 4).
+    assert runs.mp["repeat_cached"] >= HIT_TOKENS
+    assert runs.mp["repeat"] == runs.store["first"]
+    before, after = runs.mp_store["before"], runs.mp_store["after"]
+    assert after["put_present"] == before["put_present"]
+    assert after["puts"] == before["puts"]
+
+
 def test_daemon_killed_degrades_to_misses_and_recovers(runs: Runs) -> None:
     r = runs.share
     # Daemon gone: vLLM keeps serving, every prompt computed, outputs as recomputed.
     assert r["down_new_cached"] == 0
     assert r["down_new"] == r["recomputed"]
-    assert r["down_shared_cached"] == 0
+    # The shared prompt's chunks are in this engine's mirror (it loaded them from the
+    # daemon before): the load is planned, fails for real, and vLLM recomputes the blocks
+    # (its num_cached_tokens still counts the tokens the connector promised).
     assert r["down_shared"] == runs.store["first"]
+    failed = r["totals_down"].get("load_failed_blocks", 0)
+    assert failed - r["totals_hit"].get("load_failed_blocks", 0) == 4 * CHUNK // BLOCK
     assert r["totals_down"].get("save_failed_chunks", 0) >= 4  # the dropped saves
     assert "serving misses and dropping saves" in runs.share_log  # the logged reason
     # Daemon back on the same port: a new prompt stores, and its repeat hits.

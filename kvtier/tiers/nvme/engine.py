@@ -7,9 +7,8 @@
 * ``kvikio``: NVIDIA kvikio (cuFile): GPUDirect Storage where the driver allows it, and
   kvikio's own POSIX "compat mode" otherwise. Imported lazily; it needs libcuda even for
   host buffers, so ``auto`` picks it only where libcuda loads.
-* ``uring`` was evaluated and dropped (docs/benchmarks.md, "NVMe tier"): it did not beat
-  ``posix`` at the 4-64 MiB transfers this tier does. :class:`UringEngine` stays here
-  only for the benchmark that made that call.
+* io_uring was evaluated and dropped (docs/benchmarks.md, "NVMe tier"): it did not beat
+  ``posix`` at the 4-64 MiB transfers this tier does.
 
 An engine moves bytes between buffers and slab files; it knows nothing of chunks,
 checksums or the journal. Every error is an ``OSError`` (the tier translates it once).
@@ -280,84 +279,6 @@ class PosixEngine(IOEngine):
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._fds = []
-
-
-class UringEngine(PosixEngine):
-    """io_uring through the ``liburing`` package: all requests of a call submitted at once.
-
-    Evaluated against :class:`PosixEngine` by ``kvtier bench nvme`` and not selectable
-    in the config (it did not win; see docs/benchmarks.md). Prepare/done callbacks run
-    on the caller's thread.
-    """
-
-    name = "uring"
-
-    def __init__(self, threads: int = 4, depth: int = 64) -> None:
-        super().__init__(threads)
-        import liburing  # the evaluation is the only user; keep the import local
-
-        self._lu = liburing
-        self._depth = depth
-        self._local = threading.local()
-
-    def _ring(self) -> Any:
-        ring = getattr(self._local, "ring", None)
-        if ring is None:
-            ring = self._lu.Ring()
-            rc = self._lu.io_uring_queue_init(self._depth, ring)
-            if rc not in (0, None):
-                raise OSError(-rc, "io_uring_queue_init failed")
-            self._local.ring = ring
-        return ring
-
-    def _run(self, reqs: Sequence[IORequest], writing: bool) -> None:
-        lu = self._lu
-        ring = self._ring()
-        bufs: list[Any] = []
-        iovs: list[Any] = []
-        try:
-            for req in reqs:
-                buf = req.buffer
-                if req.prepare is not None:
-                    got = req.prepare()
-                    if got is not None:
-                        buf = got
-                bufs.append(buf)
-            first: OSError | None = None
-            i = 0
-            while i < len(reqs):
-                batch = range(i, min(len(reqs), i + self._depth))
-                for j in batch:
-                    req = reqs[j]
-                    iov = lu.Iovec([memoryview(bufs[j])[: req.nbytes]])
-                    iovs.append(iov)
-                    sqe = lu.io_uring_get_sqe(ring)
-                    prep = lu.io_uring_prep_writev if writing else lu.io_uring_prep_readv
-                    prep(sqe, self._fds[req.file], iov, req.offset)
-                    lu.io_uring_sqe_set_data64(sqe, j)
-                lu.io_uring_submit(ring)
-                cqe = lu.Cqe()
-                for _ in batch:
-                    lu.io_uring_wait_cqe(ring, cqe)
-                    c = cqe[0]
-                    j, res = int(c.user_data), int(c.res)
-                    lu.io_uring_cqe_seen(ring, c)
-                    if res != reqs[j].nbytes and first is None:
-                        first = OSError(
-                            -res if res < 0 else errno.EIO, f"io_uring transfer returned {res}"
-                        )
-                    elif res == reqs[j].nbytes:
-                        reqs[j].result = res
-                        done = reqs[j].done
-                        if done is not None:
-                            done(bufs[j])
-                i = batch.stop
-            if first is not None:
-                raise first
-        finally:
-            for req, buf in zip(reqs, bufs, strict=False):
-                if req.release is not None:
-                    req.release(buf)
 
 
 class KvikioEngine(IOEngine):

@@ -37,15 +37,8 @@ def test_kvikio_where_it_cannot_run_is_a_config_error(tmp_path: Path) -> None:
         NVMeTier("nv", 1 << 20, 1 << 16, 1 << 30, opts)
 
 
-@pytest.mark.parametrize("kind", ["posix", "uring"])
-def test_engine_round_trip_and_short_read(tmp_path: Path, kind: str) -> None:
-    if kind == "uring":
-        pytest.importorskip("liburing")
-        from kvtier.tiers.nvme.engine import UringEngine
-
-        engine: PosixEngine = UringEngine(2)
-    else:
-        engine = PosixEngine(2)
+def test_engine_round_trip_and_short_read(tmp_path: Path) -> None:
+    engine = PosixEngine(2)
     path = tmp_path / "f"
     path.write_bytes(b"\0" * (1 << 20))
     try:

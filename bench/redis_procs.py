@@ -1,8 +1,10 @@
 """Local ``redis-server`` processes: one server, or a 3-master Redis Cluster on one machine.
 
-For tests, benchmarks and demos. Servers listen on free loopback ports without
-persistence (no RDB, no AOF), with their files under a given directory, and allow
-``DEBUG`` from localhost (fault tests use ``DEBUG SLEEP``). Not for production use.
+For benchmarks (``kvtier bench redis``, ``kvtier bench daemon``) and the test suite
+(``tests/redis_servers.py``); nothing in the core uses them. Servers listen on free
+loopback ports without persistence (no RDB, no AOF), with their files under a given
+directory, and allow ``DEBUG`` from localhost (fault tests use ``DEBUG SLEEP``). Not
+for production use.
 """
 
 from __future__ import annotations

@@ -1,0 +1,278 @@
+"""``KVTierStoragePlugin``: LMCache's storage plug-in holding an embedded kvtier store.
+
+LMCache config::
+
+    storage_plugins: ["kvtier"]
+    extra_config:
+      storage_plugin.kvtier.module_path: kvtier.connectors.lmcache
+      storage_plugin.kvtier.class_name: KVTierStoragePlugin
+      storage_plugin.kvtier.config_file: /etc/kvtier/lmcache.toml   # a kvtier TOML
+
+The TOML is an ordinary kvtier configuration (docs/configuration.md): its ``[[tiers]]``
+(host, cxl, nvme, redis) and ``[store]`` policies apply; its slot size is LMCache's
+chunk (from the engine's metadata), whatever ``[model]`` says. Without a file the
+embedded default applies (a 2 GiB host tier: nothing survives a restart).
+
+Contracts kept (read from LMCache 0.5.6, ``abstract_backend.py``): the storage manager
+drops its reference to a memory object as soon as ``batched_submit_put_task`` returns,
+so each store takes a reference (``ref_count_up``) and releases it when the kvtier
+store has copied the bytes. Loads allocate through ``local_cpu_backend.allocate`` and
+the store copies straight into the object. A failing tier is a miss (the store logs
+and counts it); nothing here raises into LMCache after start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from lmcache.integration.vllm.utils import get_size_bytes
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+from typing_extensions import override
+
+from kvtier.config import load_config
+from kvtier.errors import ConfigError, KVTierError
+from kvtier.factory import build_store
+from kvtier.keys import ChunkKey
+from kvtier.store.types import PutResult
+
+from .keys import engine_key
+from .settings import STORAGE_PREFIX, plugin_name
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config_file"
+
+
+class KVTierStoragePlugin(StoragePluginInterface):  # type: ignore[misc]  # LMCache is untyped
+    """An embedded kvtier store as one of LMCache's storage backends. Thread-safe.
+
+    Args (as LMCache's ``storage_plugin_launcher`` passes them):
+        dst_device: where blocking loads land; LMCache passes its device.
+        config: LMCache's engine config; settings in ``extra_config``.
+        metadata: the engine's metadata (chunk shape and dtype).
+        local_cpu_backend: allocates the memory objects that loads fill.
+        loop: LMCache's event loop.
+
+    Raises:
+        ConfigError: no metadata or local CPU backend, or a bad kvtier config file.
+    """
+
+    def __init__(
+        self,
+        dst_device: str = "cpu",
+        config: LMCacheEngineConfig | None = None,
+        metadata: LMCacheMetadata | None = None,
+        local_cpu_backend: LocalCPUBackend | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(dst_device, config, metadata, local_cpu_backend, loop)
+        if config is None or metadata is None or local_cpu_backend is None:
+            raise ConfigError(
+                "storage_plugins", "kvtier", "an engine with metadata and local_cpu_backend"
+            )
+        extra = config.extra_config or {}
+        self.name = plugin_name(extra, config.storage_plugins, STORAGE_PREFIX, type(self).__name__)
+        path = extra.get(f"{STORAGE_PREFIX}.{self.name}.{CONFIG_FILE}")
+        cfg = load_config(path or None)
+        self.meta_shapes = metadata.get_shapes()
+        self.meta_dtypes = metadata.get_dtypes()
+        self.meta_fmt = MemoryFormat.KV_MLA_FMT if metadata.use_mla else MemoryFormat.KV_2LTD
+        # Names RemoteConnector.reshape_partial_chunk reads (reused below).
+        self.full_chunk_size_bytes: int = get_size_bytes(self.meta_shapes, self.meta_dtypes)
+        self.single_token_size = self.full_chunk_size_bytes // metadata.chunk_size
+        self.store = build_store(cfg, chunk_bytes=self.full_chunk_size_bytes).store
+        self._lock = threading.Lock()
+        self._put_tasks: set[CacheEngineKey] = set()
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-lmcache-plugin")
+        log.info(
+            "kvtier storage plug-in %r: %s, chunk %d B, tiers %s",
+            self.name,
+            path or "embedded default config",
+            self.full_chunk_size_bytes,
+            ", ".join(t.name for t in self.store.tiers),
+        )
+
+    @override
+    def __str__(self) -> str:
+        return f"KVTierStoragePlugin({self.name})"
+
+    # -- presence --------------------------------------------------------------------------
+
+    def _hits(self, keys: Sequence[CacheEngineKey], pin: bool) -> int:
+        ks = [engine_key(k) for k in keys]
+        try:
+            n = self.store.lookup(ks).hits
+            if pin and n:
+                n = min(n, self.store.pin(ks[:n]))
+        except KVTierError as exc:  # a closed store (shutdown race): a miss
+            log.debug("kvtier storage plug-in: lookup failed, a miss: %s", exc)
+            return 0
+        return n
+
+    @override
+    def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
+        return self._hits([key], pin) == 1
+
+    @override
+    def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
+        return self._hits(keys, pin)
+
+    @override
+    async def batched_async_contains(
+        self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False
+    ) -> int:
+        return self._hits(keys, pin)
+
+    @override
+    def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
+        with self._lock:
+            return key in self._put_tasks
+
+    # -- stores ------------------------------------------------------------------------------
+
+    @override
+    def batched_submit_put_task(
+        self,
+        keys: Sequence[CacheEngineKey],
+        objs: list[MemoryObj],
+        transfer_spec: Any = None,
+        on_complete_callback: Callable[[CacheEngineKey], None] | None = None,
+    ) -> list[Future[PutResult]]:
+        futures: list[Future[PutResult]] = []
+        for key, obj in zip(keys, objs, strict=True):
+            # LMCache drops its reference when this returns: hold one until the copy.
+            obj.ref_count_up()
+            with self._lock:
+                self._put_tasks.add(key)
+            try:
+                fut = self.store.put([engine_key(key)], obj.byte_array.cast("B"))
+            except KVTierError as exc:
+                log.warning("kvtier storage plug-in: store of %s refused: %s", key, exc)
+                self._put_done(key, obj, None)
+                continue
+            fut.add_done_callback(
+                functools.partial(self._put_done, key, obj, callback=on_complete_callback)
+            )
+            futures.append(fut)
+        return futures
+
+    def _put_done(
+        self,
+        key: CacheEngineKey,
+        obj: MemoryObj,
+        fut: Future[PutResult] | None,
+        *,
+        callback: Callable[[CacheEngineKey], None] | None = None,
+    ) -> None:
+        obj.ref_count_down()
+        with self._lock:
+            self._put_tasks.discard(key)
+        if fut is not None and callback is not None and not fut.exception():
+            try:
+                callback(key)
+            except Exception as exc:  # LMCache's callback: its failure must not kill ours
+                log.warning("kvtier storage plug-in: on_complete_callback failed: %s", exc)
+
+    # -- loads -------------------------------------------------------------------------------
+
+    def _load_run(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj]:
+        """Load the leading present run of ``keys`` (stops at the first miss)."""
+        ks: list[ChunkKey] = [engine_key(k) for k in keys]
+        try:
+            n = self.store.lookup(ks).hits
+        except KVTierError:
+            return []
+        assert self.local_cpu_backend is not None
+        pending: list[tuple[MemoryObj, Future[Any]]] = []
+        for k in ks[:n]:
+            obj = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
+            if obj is None:
+                break
+            try:
+                pending.append((obj, self.store.get([k], obj.byte_array.cast("B"))))
+            except KVTierError:
+                obj.ref_count_down()
+                break
+        out: list[MemoryObj] = []
+        broken = False  # a chunk that failed to read ends the run: later ones are freed
+        for obj, fut in pending:
+            res = fut.result()
+            if not broken and res.chunks == 1:
+                try:
+                    out.append(RemoteConnector.reshape_partial_chunk(self, obj, res.nbytes))
+                    continue
+                except ValueError as exc:  # a length that is no whole number of tokens
+                    log.warning("kvtier storage plug-in: malformed chunk, a miss: %s", exc)
+            broken = True
+            obj.ref_count_down()
+        return out
+
+    @override
+    def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
+        got = self._load_run([key])
+        return got[0] if got else None
+
+    @override
+    def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        got: list[MemoryObj | None] = list(self._load_run(keys))
+        return got + [None] * (len(keys) - len(got))
+
+    @override
+    def get_non_blocking(
+        self, key: CacheEngineKey, location: str | None = None
+    ) -> Future[MemoryObj | None]:
+        return self._pool.submit(self.get_blocking, key)
+
+    @override
+    async def batched_get_non_blocking(
+        self, lookup_id: str, keys: list[CacheEngineKey], transfer_spec: Any = None
+    ) -> list[MemoryObj]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self._load_run, keys)
+
+    # -- the rest ----------------------------------------------------------------------------
+
+    @override
+    def pin(self, key: CacheEngineKey) -> bool:
+        return self._hits([key], pin=True) == 1
+
+    @override
+    def unpin(self, key: CacheEngineKey) -> bool:
+        try:
+            self.store.unpin([engine_key(key)])
+        except KVTierError:
+            return False
+        return True
+
+    @override
+    def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
+        try:
+            return self.store.delete([engine_key(key)]) > 0
+        except KVTierError:
+            return False
+
+    @override
+    def touch_cache(self) -> None:
+        """Nothing to do: the kvtier store updates its eviction order on every read."""
+
+    @override
+    def get_allocator_backend(self) -> LocalCPUBackend:
+        assert self.local_cpu_backend is not None
+        return self.local_cpu_backend
+
+    @override
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.store.close()

@@ -1,0 +1,218 @@
+"""``KVTierRemoteConnector``: LMCache's remote storage plug-in, backed by a kvtier daemon.
+
+LMCache config::
+
+    remote_storage_plugins: ["kvtier"]
+    extra_config:
+      remote_storage_plugin.kvtier.module_path: kvtier.connectors.lmcache
+      remote_storage_plugin.kvtier.class_name: KVTierRemoteConnector
+      remote_storage_plugin.kvtier.url: http://127.0.0.1:8470
+      remote_storage_plugin.kvtier.token: ...   # optional: the daemon's tenant token
+
+LMCache's ``DynamicConnectorAdapter`` builds it as ``cls(loop=, local_cpu_backend=,
+config=)`` and its ``RemoteBackend`` calls the coroutines on ``loop``. Each call runs
+the blocking HTTP request on this connector's own threads, so the loop never waits on
+a socket and several chunks move at once.
+
+Values are the chunk's bytes as LMCache hands them over (``memory_obj.byte_array``),
+without LMCache's metadata header: the shape follows from the engine's metadata and
+the value's length, as LMCache's own ``fs`` connector does without ``save_chunk_meta``
+(a partial last chunk is shortened by ``reshape_partial_chunk``). Loads write straight
+into the memory object LMCache allocates: one copy, from the socket.
+
+Contracts kept (read from LMCache 0.5.6): ``put`` never calls ``ref_count_down()`` (the
+instrumented wrapper does); ``get`` allocates through ``local_cpu_backend.allocate``
+and frees the object again on a miss; no method raises: a daemon that is down or
+refuses is a miss or a dropped store, logged (see :mod:`.link`). Capacity and eviction
+are the daemon's: a store that does not fit is rejected by the daemon's placement,
+never an error here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+from typing_extensions import override
+
+from .keys import engine_key
+from .link import DaemonLink
+from .settings import REMOTE_PREFIX, daemon_settings, plugin_name
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Requests in flight at once: enough to overlap a batch's round trips on loopback,
+# few enough not to starve the engine's own threads.
+IO_THREADS = 8
+
+
+class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache is untyped
+    """A kvtier daemon as LMCache's remote storage. Thread-safe; every call answers.
+
+    Args:
+        loop: LMCache's event loop (the coroutines run on it).
+        local_cpu_backend: allocates the memory objects that loads fill.
+        config: LMCache's engine config; the settings sit in its ``extra_config``.
+        plugin_name: the name in ``remote_storage_plugins``; found from ``class_name``
+            when LMCache does not pass it (it does not in 0.5.6).
+
+    Raises:
+        ConfigError: no ``url``, or a malformed one.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        local_cpu_backend: LocalCPUBackend,
+        config: LMCacheEngineConfig | None,
+        plugin_name: str | None = None,
+    ) -> None:
+        super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
+        cfg = config if config is not None else local_cpu_backend.config
+        extra = cfg.extra_config or {}
+        name = plugin_name or _name(cfg, extra)
+        self.settings = daemon_settings(extra, f"{REMOTE_PREFIX}.{name}")
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        self.link = DaemonLink(self.settings, pool=IO_THREADS)
+        self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvtier-lmcache")
+        log.info(
+            "kvtier remote plug-in %r: daemon %s, chunk %d B",
+            name,
+            self.settings.url,
+            self.full_chunk_size_bytes,
+        )
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # -- presence --------------------------------------------------------------------------
+
+    @override
+    async def exists(self, key: CacheEngineKey) -> bool:
+        return await self._run(self.exists_sync, key)
+
+    @override
+    def exists_sync(self, key: CacheEngineKey) -> bool:
+        return self.link.exists(engine_key(key))
+
+    @override
+    def support_batched_contains(self) -> bool:
+        return True
+
+    @override
+    def batched_contains(self, keys: list[CacheEngineKey]) -> int:
+        """Leading keys the daemon holds: one lookup request, not one per key."""
+        return self.link.hits([engine_key(k) for k in keys])
+
+    @override
+    async def batched_async_contains(
+        self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False
+    ) -> int:
+        return await self._run(self.batched_contains, keys)
+
+    # -- loads -------------------------------------------------------------------------------
+
+    def _get_sync(self, key: CacheEngineKey) -> MemoryObj | None:
+        obj = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
+        if obj is None:
+            log.debug("kvtier remote plug-in: no local CPU memory for a load; a miss")
+            return None
+        try:
+            n = self.link.get_into(engine_key(key), obj.byte_array.cast("B"))
+            if n:
+                return self.reshape_partial_chunk(obj, n)
+        except ValueError as exc:  # a length that is no whole number of tokens
+            log.warning("kvtier remote plug-in: value of %s is malformed, a miss: %s", key, exc)
+        obj.ref_count_down()
+        return None
+
+    @override
+    async def get(self, key: CacheEngineKey) -> MemoryObj | None:
+        return await self._run(self._get_sync, key)
+
+    @override
+    def support_batched_get(self) -> bool:
+        return True
+
+    @override
+    async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        return list(await asyncio.gather(*(self.get(k) for k in keys)))
+
+    @override
+    async def batched_get_non_blocking(
+        self, lookup_id: str, keys: list[CacheEngineKey]
+    ) -> list[MemoryObj]:
+        """The leading run of loaded chunks; objects loaded after a miss are freed."""
+        got = await self.batched_get(keys)
+        out: list[MemoryObj] = []
+        broken = False
+        for obj in got:
+            broken = broken or obj is None
+            if not broken:
+                out.append(obj)
+            elif obj is not None:
+                obj.ref_count_down()
+        return out
+
+    # -- stores ------------------------------------------------------------------------------
+
+    def _put_sync(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
+        views = [o.byte_array.cast("B") for o in objs]
+        self.link.put_many([engine_key(k) for k in keys], views)
+
+    @override
+    async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        # No ref_count_down() here: LMCache's instrumented wrapper releases the object.
+        await self._run(self._put_sync, [key], [memory_obj])
+
+    @override
+    def support_batched_put(self) -> bool:
+        return True
+
+    @override
+    async def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
+        await self._run(self._put_sync, keys, memory_objs)
+
+    # -- the rest ----------------------------------------------------------------------------
+
+    @override
+    def remove_sync(self, key: CacheEngineKey) -> bool:
+        return self.link.delete(engine_key(key))
+
+    @override
+    async def list(self) -> list[str]:
+        """Always empty: the daemon keeps keyed hashes of keys, which cannot be listed back."""
+        return []
+
+    @override
+    def support_ping(self) -> bool:
+        """False on purpose: LMCache's health monitor turns a failed ping into
+        "recompute everything" (its default ``fallback_policy``), while this connector
+        already answers misses per call and reconnects by itself (docs/lmcache.md)."""
+        return False
+
+    @override
+    async def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.link.close()
+
+    @override
+    def __repr__(self) -> str:
+        return f"<KVTierRemoteConnector {self.settings.url}>"
+
+
+def _name(cfg: LMCacheEngineConfig, extra: dict[str, Any]) -> str:
+    return plugin_name(
+        extra, cfg.remote_storage_plugins, REMOTE_PREFIX, KVTierRemoteConnector.__name__
+    )

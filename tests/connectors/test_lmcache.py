@@ -1,0 +1,254 @@
+"""kvtier under a real LMCache 0.5.6 engine: the remote plug-in over a real daemon, and the
+embedded storage plug-in.
+
+The engine is LMCache's own (see tests/connectors/lmcache_engine.py: only the GPU copy is
+a CPU stand-in); daemons are real ``kvtier serve`` processes on free ports. Keys are made
+restart-stable the documented way (``pre_caching_hash_algorithm: sha256_cbor`` and one
+``PYTHONHASHSEED`` in every process).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lmcache", reason="LMCache is not installed (pip install 'kvtier[lmcache]')")
+
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.distributed.api import ObjectKey
+
+from kvtier.connectors.lmcache.keys import engine_key, object_key
+from kvtier.connectors.lmcache.settings import daemon_settings, params_settings
+from kvtier.errors import ConfigError
+from tests.connectors.lmcache_engine import (
+    CHUNK,
+    HASH_SEED,
+    PLUGIN,
+    REMOTE,
+    TOKEN_BYTES,
+    engine,
+    nvme_daemon,
+    nvme_toml,
+    plugin_config,
+    prompt,
+    remote_config,
+)
+from tests.service.conftest import TOKENS, Daemon, free_port, start_daemon
+
+N_TOKENS = 4 * CHUNK + 5  # four full chunks and a partial one
+FULL = 4 * CHUNK
+
+
+def _equal(out: torch.Tensor, kv: torch.Tensor, n: int) -> bool:
+    return bool(torch.equal(out[: n * TOKEN_BYTES], kv[: n * TOKEN_BYTES]))
+
+
+@pytest.fixture
+def daemons(tmp_path: Path) -> Iterator[list[Daemon]]:
+    started: list[Daemon] = []
+    yield started
+    for d in started:
+        d.stop()
+
+
+# -- keys and settings (no engine) -----------------------------------------------------------
+
+
+def test_keys_separate_model_rank_dtype_tags_and_salt() -> None:
+    base = {"model_name": "m", "world_size": 2, "worker_id": 0, "chunk_hash": 7}
+    variants = [
+        CacheEngineKey(**base, dtype=torch.float16),
+        CacheEngineKey(**{**base, "model_name": "n"}, dtype=torch.float16),
+        CacheEngineKey(**{**base, "worker_id": 1}, dtype=torch.float16),
+        CacheEngineKey(**{**base, "world_size": 4}, dtype=torch.float16),
+        CacheEngineKey(**base, dtype=torch.bfloat16),
+        CacheEngineKey(**{**base, "chunk_hash": 8}, dtype=torch.float16),
+        CacheEngineKey(**base, dtype=torch.float16, request_configs={"lmcache.tag.salt": "a"}),
+        CacheEngineKey(**base, dtype=torch.float16, request_configs={"lmcache.tag.salt": "b"}),
+        # '@' is LMCache's separator in to_string(): the mapping must not rely on it.
+        CacheEngineKey(**{**base, "model_name": "m@2"}, dtype=torch.float16),
+    ]
+    keys = [engine_key(k) for k in variants]
+    assert len(set(keys)) == len(keys)
+    assert all(len(k) == 16 for k in keys)
+    # The same key built again (another process would build the same) maps the same.
+    assert engine_key(CacheEngineKey(**base, dtype=torch.float16)) == keys[0]
+
+    obj = {"chunk_hash": b"\x01" * 8, "model_name": "m", "kv_rank": 0}
+    objects = [
+        ObjectKey(**obj),
+        ObjectKey(**obj, cache_salt="alice"),
+        ObjectKey(**obj, cache_salt="bob"),
+        ObjectKey(**{**obj, "kv_rank": 1}),
+        ObjectKey(**obj, object_group_id=1),
+        ObjectKey(**{**obj, "model_name": "n"}),
+    ]
+    okeys = [object_key(k) for k in objects]
+    assert len(set(okeys)) == len(okeys)
+    assert not set(okeys) & set(keys)
+
+
+def test_settings_fail_with_the_key_named() -> None:
+    with pytest.raises(ConfigError, match=r"remote_storage_plugin\.kvtier\.url"):
+        daemon_settings({}, "remote_storage_plugin.kvtier")
+    with pytest.raises(ConfigError, match="url"):
+        daemon_settings({"p.url": "ftp://x"}, "p")
+    with pytest.raises(ConfigError, match="timeout_s"):
+        daemon_settings({"p.url": "http://x", "p.timeout_s": "soon"}, "p")
+    with pytest.raises(ConfigError, match="adapter_params"):
+        params_settings({"url": "http://x", "host": "y"})
+    s = daemon_settings({"p.url": "http://127.0.0.1:1", "p.token": "t"}, "p")
+    assert (s.url, s.token) == ("http://127.0.0.1:1", "t")
+
+
+# -- the remote plug-in ------------------------------------------------------------------------
+
+
+def test_remote_round_trip_with_tenants_and_salts(tmp_path: Path, daemons: list[Daemon]) -> None:
+    d = start_daemon(tmp_path, tokens=TOKENS)
+    daemons.append(d)
+    tokens, kv = prompt(1, N_TOKENS)
+    salt_a = {"request_configs": {"lmcache.tag.cache_salt": "a"}}
+    salt_b = {"request_configs": {"lmcache.tag.cache_salt": "b"}}
+    with engine(remote_config(d.url, TOKENS["alice"])) as alice:
+        assert REMOTE in alice.backends()
+        alice.store(tokens, kv)
+        assert alice.wait_stored(tokens, REMOTE) == FULL
+        alice.drop_local()
+        assert alice.lookup(tokens) == FULL
+        n, out = alice.retrieve(tokens)
+        assert n == FULL and _equal(out, kv, n)
+
+        # A salted prompt is another chunk: the unsalted copy does not serve it.
+        assert alice.lookup(tokens, REMOTE, request_configs=salt_a["request_configs"]) == 0
+        alice.store(tokens, kv, **salt_a)
+        assert alice.wait_stored(tokens, REMOTE) == FULL
+        alice.drop_local()
+        assert alice.lookup(tokens, REMOTE, request_configs=salt_a["request_configs"]) == FULL
+        assert alice.lookup(tokens, REMOTE, request_configs=salt_b["request_configs"]) == 0
+        n, out = alice.retrieve(tokens, **salt_a)
+        assert n == FULL and _equal(out, kv, n)
+
+    with engine(remote_config(d.url, TOKENS["bob"])) as bob:
+        # Another tenant of the same daemon sees none of alice's chunks.
+        assert bob.lookup(tokens, REMOTE) == 0
+        n, _ = bob.retrieve(tokens)
+        assert n == 0
+
+
+def test_remote_hits_after_restarting_daemon_and_engine_process(
+    tmp_path: Path, daemons: list[Daemon]
+) -> None:
+    d = nvme_daemon(tmp_path / "daemon")
+    daemons.append(d)
+    # Store from another engine process, which then exits.
+    env = {**os.environ, "PYTHONHASHSEED": HASH_SEED}
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.connectors.lmcache_engine",
+        "store",
+        d.url,
+        "5",
+        str(N_TOKENS),
+    ]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
+    assert run.returncode == 0 and f"stored {FULL}" in run.stdout, (
+        run.stdout[-2000:] + run.stderr[-4000:]
+    )
+    assert d.stop() in (0, -15)
+    daemons.append(nvme_daemon(tmp_path / "daemon", port=int(d.url.rsplit(":", 1)[1])))
+
+    tokens, kv = prompt(5, N_TOKENS)
+    with engine(remote_config(d.url)) as e:
+        assert e.lookup(tokens) == FULL
+        n, out = e.retrieve(tokens)
+        assert n == FULL and _equal(out, kv, n)
+
+
+def test_remote_daemon_down_then_back_serves_misses_then_hits(
+    tmp_path: Path, daemons: list[Daemon], caplog: pytest.LogCaptureFixture
+) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    tokens, kv = prompt(2, N_TOKENS)
+    caplog.set_level(logging.WARNING, logger="kvtier")
+    with engine(remote_config(url)) as e:  # no daemon yet
+        assert REMOTE in e.backends()
+        e.store(tokens, kv)
+        # LMCache keeps serving from its local CPU copy while the daemon is down.
+        n, out = e.retrieve(tokens)
+        assert n == FULL and _equal(out, kv, n)
+        e.drop_local()
+        assert e.lookup(tokens) == 0
+        n, _ = e.retrieve(tokens)
+        assert n == 0
+        assert any("serving misses" in r.getMessage() for r in caplog.records), caplog.text
+
+        # The daemon starts mid-run: after the hold-off, stores and hits go through it.
+        daemons.append(start_daemon(tmp_path, port=port))
+        deadline = time.monotonic() + 30  # the link's hold-off is at most MAX_HOLD_S
+        while True:
+            e.drop_local()
+            e.store(tokens, kv)
+            if e.wait_stored(tokens, REMOTE, timeout_s=2) == FULL:
+                break
+            assert time.monotonic() < deadline, "the remote plug-in never reconnected"
+        e.drop_local()
+        n, out = e.retrieve(tokens)
+        assert n == FULL and _equal(out, kv, n)
+
+
+def test_remote_refusing_daemon_drops_stores_with_a_reason(
+    tmp_path: Path, daemons: list[Daemon], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Values above the daemon's max_value_bytes are refused: every store fails.
+    d = start_daemon(tmp_path, "--set", f"service.max_value_bytes={CHUNK * TOKEN_BYTES // 2}")
+    daemons.append(d)
+    tokens, kv = prompt(3, N_TOKENS)
+    caplog.set_level(logging.WARNING, logger="kvtier")
+    with engine(remote_config(d.url)) as e:
+        e.store(tokens, kv)
+        assert e.wait_stored(tokens, REMOTE, timeout_s=3) == 0
+        assert any("max_value_bytes" in r.getMessage() for r in caplog.records), caplog.text
+        n, out = e.retrieve(tokens)  # the local CPU copy still serves
+        assert n == FULL and _equal(out, kv, n)
+
+
+# -- the embedded storage plug-in --------------------------------------------------------------
+
+
+def _nvme_config(tmp: Path) -> str:
+    path = tmp / "kvtier.toml"
+    path.write_text(nvme_toml(tmp))
+    return str(path)
+
+
+def test_plugin_round_trip_and_restart(tmp_path: Path) -> None:
+    cfg = plugin_config(_nvme_config(tmp_path))
+    tokens, kv = prompt(4, N_TOKENS)
+    with engine(cfg) as e:
+        assert PLUGIN in e.backends()
+        e.store(tokens, kv)
+        assert e.wait_stored(tokens, PLUGIN) == FULL
+        e.drop_local()
+        assert e.lookup(tokens) == FULL
+        n, out = e.retrieve(tokens)
+        assert n == FULL and _equal(out, kv, n)
+        # Another prompt's salt-tagged twin is a different chunk.
+        salted = {"lmcache.tag.cache_salt": "x"}
+        assert e.lookup(tokens, PLUGIN, request_configs=salted) == 0
+
+    # A new engine and a new kvtier store: the nvme tier recovers the chunks.
+    with engine(cfg) as e:
+        assert e.lookup(tokens) == FULL
+        n, out = e.retrieve(tokens)
+        assert n == FULL and _equal(out, kv, n)
