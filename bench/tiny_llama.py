@@ -88,3 +88,18 @@ def write_tiny_llama(folder: str | Path, geo: TinyLlama = TinyLlama()) -> Path:
         sd[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
     save_file(sd, str(weights))
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvtier.bench.tiny_llama DIR``: write the model into DIR, print DIR."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("folder", type=Path, help="where to write config.json and the weights")
+    args = ap.parse_args(argv)
+    print(write_tiny_llama(args.folder.expanduser()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import enum
 import ipaddress
+import math
 import os
 import re
 import tomllib
@@ -39,6 +40,7 @@ from kvtier.units import GiB, parse_size
 T = TypeVar("T")
 
 ENV_PREFIX = "KVTIER_"
+MAX_SIZE_BYTES = 1 << 62  # far past any machine; larger sizes overflow allocators
 # The one environment variable without the nested form: people type it (issue 12). It is
 # service.data_dir, like KVTIER_SERVICE__DATA_DIR (which wins when both are set).
 DATA_DIR_ENV = "KVTIER_DATA_DIR"
@@ -141,6 +143,14 @@ class ServiceConfig:
     max_body_bytes: int = 256 * 1024 * 1024
     # Most keys in one lookup, batch get or batch put.
     max_batch_keys: int = 1024
+    # Bound on the bytes of all request bodies (and batch-get answers) in flight
+    # together; past it a request is answered 503 with Retry-After. At least
+    # max_body_bytes.
+    max_inflight_bytes: int = 1 * GiB
+    # Largest request head (request line and headers), in bytes; larger: 431.
+    max_header_bytes: int = 32 * 1024
+    # Seconds a client may take to send a request's head; slower: the connection closes.
+    header_timeout_s: float = 10.0
     # Seconds uvicorn waits for in-flight requests on shutdown before closing the store.
     shutdown_timeout_s: float = 10.0
     # A directory for what must outlive the process: when set and no [[tiers]] entry is
@@ -246,6 +256,9 @@ def set_dotted(raw: dict[str, Any], dotted: str, value: object, *, source: str) 
             idx = _index(part, node, source)
             node = node[idx]
             continue
+        if not isinstance(node, dict):
+            where = ".".join(parts[:i])
+            raise ConfigError(source, value, f"a path into a table, but {where!r} is not one")
         if part not in node:
             node[part] = [] if nxt.isdigit() else {}
         node = node[part]
@@ -262,6 +275,8 @@ def _index(part: str, node: list[Any], source: str) -> int:
     if not part.isdigit():
         raise ConfigError(source, part, "a list index")
     idx = int(part)
+    if idx > len(node):  # one past the end adds an entry; further would allocate unbounded
+        raise ConfigError(source, part, f"a list index of at most {len(node)} (the next entry)")
     while len(node) <= idx:  # KVTIER_TIERS__1__... may add a tier
         node.append({})
     return idx
@@ -292,6 +307,9 @@ def parse_config(raw: Mapping[str, Any]) -> KVTierConfig:
             if key not in known:
                 raise ConfigError(f"{where}.{key}", t[key], _known_keys(key, known, f"{kind} tier"))
         name = str(t.pop("name", kind))
+        if not _TIER_NAME_RE.fullmatch(name):
+            # Names become file names (slab files, index directories): no paths.
+            raise ConfigError(f"{where}.name", name, "an identifier of [A-Za-z0-9_-], 1-64 chars")
         if "capacity_bytes" not in t:
             raise ConfigError(f"{where}.capacity_bytes", None, "a size such as '4GiB'")
         capacity = _coerce(t.pop("capacity_bytes"), int, f"{where}.capacity_bytes")
@@ -343,6 +361,7 @@ def _validate_placement(p: PlacementConfig) -> None:
 
 
 _TENANT_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
+_TIER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 MIN_TOKEN_CHARS = 16
 
 
@@ -392,6 +411,16 @@ def _validate_service(s: ServiceConfig) -> None:
         raise ConfigError("service.data_capacity_bytes", s.data_capacity_bytes, "a positive size")
     if s.shutdown_timeout_s < 0:
         raise ConfigError("service.shutdown_timeout_s", s.shutdown_timeout_s, "a number >= 0")
+    if s.max_inflight_bytes < s.max_body_bytes:
+        raise ConfigError(
+            "service.max_inflight_bytes",
+            s.max_inflight_bytes,
+            f"at least service.max_body_bytes ({s.max_body_bytes})",
+        )
+    if not 1024 <= s.max_header_bytes <= 1 << 24:
+        raise ConfigError("service.max_header_bytes", s.max_header_bytes, "a size in [1KiB, 16MiB]")
+    if not 0 < s.header_timeout_s <= 3600:
+        raise ConfigError("service.header_timeout_s", s.header_timeout_s, "seconds in (0, 3600]")
 
 
 def build_dataclass(cls: type[T], raw: Mapping[str, Any], where: str) -> T:
@@ -465,7 +494,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if hint is int:
         try:
             if key.endswith("_bytes"):
-                return parse_size(value)
+                size = parse_size(value)
+                if not 0 <= size <= MAX_SIZE_BYTES:
+                    raise ConfigError(key, value, "a size from 0 to 4EiB")
+                return size
             if isinstance(value, (bool, float)):
                 raise ValueError
             return int(value)
@@ -476,9 +508,12 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         try:
             if isinstance(value, bool):
                 raise ValueError
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(key, value, "a number") from None
+        if not math.isfinite(number):
+            raise ConfigError(key, value, "a finite number")
+        return number
     if hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

@@ -11,7 +11,8 @@ happen, with ``raise ... from exc``::
     ├── InputError           bad arguments from a caller (wrong buffer size, bad key)
     ├── StoreError           the store cannot do what was asked
     │   ├── CapacityError    the value can never fit (larger than every tier)
-    │   └── ClosedError      the store was closed
+    │   ├── ClosedError      the store was closed
+    │   └── NotDurableError  done in this process, but the disk did not take it (a full disk)
     ├── TierError            one tier failed; the store turns this into a miss
     │   ├── TierIOError      an I/O call failed (ENOSPC, EIO, a vanished file)
     │   ├── CorruptChunkError  bytes or metadata failed verification
@@ -65,6 +66,11 @@ class CapacityError(StoreError):
 
 class ClosedError(StoreError):
     """The store (or tier) has been closed."""
+
+
+class NotDurableError(StoreError):
+    """The operation took effect in this process, but a persistent tier could not make it
+    durable (ENOSPC, EIO): after a restart it may be undone. Retry once the disk recovers."""
 
 
 class TierError(KVTierError):

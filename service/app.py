@@ -32,7 +32,7 @@ from kvtier.factory import Built, build_store
 from . import errors, wire
 from .daemon import Daemon
 from .fastpath import FastPath
-from .guards import BodyLimit
+from .guards import Gate
 from .metrics import MetricsMiddleware
 from .routes import batch, chunks, ops
 from .schemas import ErrorResponse
@@ -76,10 +76,10 @@ def create_app(cfg: KVTierConfig, *, built: Built | None = None) -> FastAPI:
     for area in (ops, chunks, batch):
         app.include_router(area.router(d))
     _document(app)
-    # Added innermost first: metrics see every request, including those BodyLimit refuses
+    # Added innermost first: metrics see every request, including those the gate refuses
     # and those the fast path answers.
     app.add_middleware(FastPath, daemon=d)  # type: ignore[arg-type]
-    app.add_middleware(BodyLimit, limit=d.limits.max_body_bytes)  # type: ignore[arg-type]
+    app.add_middleware(Gate, daemon=d)  # type: ignore[arg-type]
     app.add_middleware(MetricsMiddleware, metrics=d.metrics)  # type: ignore[arg-type]
     return app
 
@@ -101,7 +101,7 @@ def _lifespan(d: Daemon, cfg: KVTierConfig) -> Any:
         finally:
             d.ready = False
             log.info("kvtier daemon shutting down: flushing and closing the store")
-            await asyncio.to_thread(d.store.close)
+            await asyncio.to_thread(d.close)
             log.info("kvtier daemon: store closed")
 
     return lifespan

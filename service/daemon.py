@@ -11,7 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -20,11 +23,11 @@ from kvtier.errors import ConfigError
 from kvtier.factory import Built
 from kvtier.keys import ChunkKey
 from kvtier.store.store import TieredStore
-from kvtier.store.types import PutResult
+from kvtier.store.types import LookupResult, PutResult
 
 from . import wire
 from .errors import ApiError
-from .limits import Limits
+from .limits import Budget, Limits
 from .metrics import RequestMetrics, TenantCounters
 from .schemas import KEY_PATTERN
 from .tenants import Authenticator, KeyMapper, Tenant, load_or_create_salt
@@ -32,6 +35,7 @@ from .tenants import Authenticator, KeyMapper, Tenant, load_or_create_salt
 log = logging.getLogger(__name__)
 
 _KEY_RE = re.compile(KEY_PATTERN)
+T = TypeVar("T")
 
 
 class Daemon:
@@ -57,6 +61,7 @@ class Daemon:
                 f"at least one value plus its batch header ({max_value + wire.table_bytes(1)} B)",
             )
         self.limits = Limits(max_value, s.max_body_bytes, s.max_batch_keys)
+        self.budget = Budget(s.max_inflight_bytes)
         self.auth = Authenticator(s.tokens)
         salt = s.key_salt
         if not salt and s.data_dir:
@@ -65,6 +70,11 @@ class Daemon:
         self.metrics = RequestMetrics()
         self.tenants = TenantCounters()
         self.ready = False
+        # Store calls that may block (a shared tier's round trip bounded by its budget, a
+        # sync journal commit) run here, never on the event loop: a hung Redis must not
+        # stall /healthz or the requests that do not need it.
+        self._blocking = ThreadPoolExecutor(8, thread_name_prefix="kvtier-daemon")
+        self._lookup_blocks = any(t.shared for t in self.store.tiers)
         if self.mapper.random_salt and self.store.stats().chunks:
             log.warning(
                 "service.key_salt is empty: the %d chunks recovered at start-up are unreachable",
@@ -91,6 +101,24 @@ class Daemon:
             raise ApiError(400, "bad_key", f"key {hex_key[:40]!r} is not 32 hex digits")
         (out,) = self.mapper.map(tenant, (ChunkKey(bytes.fromhex(hex_key)),))
         return ChunkKey(out)
+
+    async def _off_loop(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._blocking, fn, *args)
+
+    async def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
+        """The store's lookup; off the event loop when a shared tier may be asked."""
+        if self._lookup_blocks:
+            return await self._off_loop(self.store.lookup, keys)
+        return self.store.lookup(keys)
+
+    async def delete(self, keys: Sequence[ChunkKey]) -> int:
+        """The store's delete, off the event loop (shared tiers, sync journal commits)."""
+        return await self._off_loop(self.store.delete, keys)
+
+    def close(self) -> None:
+        """Close the store (flushing it) and the daemon's threads. Blocking."""
+        self._blocking.shutdown(wait=True)
+        self.store.close()
 
     async def put_value(self, t: Tenant, hex_key: str, value: bytes | memoryview) -> PutResult:
         """Store one value for tenant ``t`` (the shared logic of both PUT paths)."""

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Send
 
-from kvtier.errors import ClosedError, InputError, TierError
+from kvtier.errors import ClosedError, InputError, NotDurableError, TierError
 
 
 class ApiError(StarletteHTTPException):
@@ -84,6 +84,8 @@ def reply_for(exc: BaseException) -> ErrorReply | None:
             "the daemon is shutting down; retry on another one",
             {"Retry-After": str(RETRY_AFTER_S)},
         )
+    if isinstance(exc, NotDurableError):
+        return ErrorReply(503, "not_durable", str(exc), {"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, TierError):
         return ErrorReply(503, "tier_failed", str(exc), {"Retry-After": str(RETRY_AFTER_S)})
     return None
@@ -126,5 +128,13 @@ def install(app: FastAPI) -> None:
             raise exc
         return json_error(reply)
 
-    for cls in (StarletteHTTPException, RequestValidationError, InputError, ClosedError, TierError):
+    known = (
+        StarletteHTTPException,
+        RequestValidationError,
+        InputError,
+        ClosedError,
+        NotDurableError,
+        TierError,
+    )
+    for cls in known:
         app.add_exception_handler(cls, handle)

@@ -2,23 +2,28 @@
 
 FastAPI's dependency solving and validation cost about a millisecond of CPU per
 request on a loaded 2-core host, more than moving a 256 KiB value. This layer answers
-well-formed ``GET``/``PUT /v1/chunks/{32 hex}`` requests with a valid token itself,
-calling the same :class:`~kvtier.service.daemon.Daemon` methods as the FastAPI routes.
-Anything else (a bad key, a missing token, a chunked upload, a body over the limit)
-falls through untouched to the FastAPI routes, which own the documented errors and the
-OpenAPI document. The fast path never reads a body it then passes on.
+well-formed ``GET``/``PUT /v1/chunks/{32 hex}`` requests that the gate
+(:mod:`kvtier.service.guards`) authenticated itself, calling the same
+:class:`~kvtier.service.daemon.Daemon` methods as the FastAPI routes. Anything else (a
+bad key, a chunked upload, a body over the limit) falls through untouched to the
+FastAPI routes, which own the OpenAPI document. The fast path never reads a body it then
+passes on, and answers errors through the same mapping as the routes
+(:func:`kvtier.service.errors.reply_for`): an ``InputError`` is a 400 here as there.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Coroutine
 from typing import Any
 
 import numpy as np
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .daemon import Daemon
+from .errors import reply_for, send_error
+from .limits import TENANT
 
 _CHUNK_PATH = re.compile(r"/v1/chunks/([0-9a-fA-F]{32})")
 OCTET = b"application/octet-stream"
@@ -41,24 +46,33 @@ class FastPath:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] in ("GET", "PUT"):
             m = _CHUNK_PATH.fullmatch(scope["path"])
-            if m is not None:
-                headers = dict(scope["headers"])
-                tenant = self.d.auth.authenticate(
-                    headers[b"authorization"].decode("latin-1")
-                    if b"authorization" in headers
-                    else None
-                )
-                if tenant is not None:
-                    if scope["method"] == "GET":
-                        scope["route"] = _ROUTE
-                        await self._get(tenant, m.group(1), send)
-                        return
-                    length = _content_length(headers)
-                    if length is not None and 0 < length <= self.d.limits.max_value_bytes:
-                        scope["route"] = _ROUTE
-                        await self._put(tenant, m.group(1), length, receive, send)
-                        return
+            tenant = scope.get(TENANT)
+            if m is not None and tenant is not None:
+                if scope["method"] == "GET":
+                    scope["route"] = _ROUTE
+                    await self._answer(self._get(tenant, m.group(1), send), send)
+                    return
+                length = _content_length(dict(scope["headers"]))
+                if length is not None and 0 < length <= self.d.limits.max_value_bytes:
+                    scope["route"] = _ROUTE
+                    await self._answer(self._put(tenant, m.group(1), length, receive, send), send)
+                    return
         await self.app(scope, receive, send)
+
+    @staticmethod
+    async def _answer(work: Coroutine[Any, Any, None], send: Send) -> None:
+        """Run one fast-path request; an error becomes the answer any route would give.
+
+        Errors are raised before the response starts (the store answers first), so an
+        error answer can always still be sent.
+        """
+        try:
+            await work
+        except Exception as exc:
+            reply = reply_for(exc)
+            if reply is None:
+                raise
+            await send_error(send, reply)
 
     async def _get(self, tenant: Any, key: str, send: Send) -> None:
         value = await self.d.get_value(tenant, key)

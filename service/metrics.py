@@ -169,14 +169,22 @@ def store_exposition(stats: StoreStats) -> list[str]:
         ("external_fragmentation", "gauge", "Free space not in the largest free extent (0..1)"),
         ("bytes_written", "counter", "Bytes written to the tier"),
         ("bytes_read", "counter", "Bytes read from the tier"),
+        ("up", "gauge", "1 while the tier serves, 0 while it is down or hung (its chunks miss)"),
+        ("io_errors", "counter", "Transfers that failed in the tier (EIO, ENOSPC, timeouts)"),
+        ("corrupt_chunks", "counter", "Chunks that failed verification in the tier"),
     )
     for name, kind, what in per_tier:
         metric = f"kvtier_tier_{name}" + ("_total" if kind == "counter" else "")
         out += [f"# HELP {metric} {what}.", f"# TYPE {metric} {kind}"]
         out += [
-            f'{metric}{{tier="{t.name}",kind="{t.kind}"}} {getattr(t, name)}' for t in stats.tiers
+            f'{metric}{{tier="{t.name}",kind="{t.kind}"}} {_number(getattr(t, name))}'
+            for t in stats.tiers
         ]
     return out
+
+
+def _number(value: object) -> object:
+    return int(value) if isinstance(value, bool) else value
 
 
 class MetricsMiddleware:

@@ -69,6 +69,7 @@ def serve(cfg: KVTierConfig) -> None:
     import uvicorn
 
     from kvtier.service.app import create_app
+    from kvtier.service.headlimit import protocol_class
 
     cfg = with_data_dir(cfg)
     s = cfg.service
@@ -81,6 +82,9 @@ def serve(cfg: KVTierConfig) -> None:
             app,
             host=s.host,
             port=port,
+            # Bounds the request head's size and time (service.max_header_bytes,
+            # service.header_timeout_s).
+            http=protocol_class(s.max_header_bytes, s.header_timeout_s),
             log_level=cfg.log_level.lower(),
             access_log=False,  # one line per chunk would cost more than serving it
             lifespan="on",

@@ -24,6 +24,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.errors import ConfigError
+from kvtier.files import make_private_dirs
 from kvtier.keys import ChunkKey
 
 log = logging.getLogger(__name__)
@@ -45,16 +47,39 @@ class Tenant:
 
 
 def load_or_create_salt(path: Path) -> str:
-    """The key salt kept in ``path``; a new random one (file mode 0600) if absent."""
+    """The key salt kept in ``path``; a new random one (file mode 0600) if absent.
+
+    Raises:
+        ConfigError: the file cannot be read or created (a directory, a read-only
+            filesystem), or it is empty: an empty salt would silently be a new random
+            one at every start, making every recovered chunk unreachable.
+    """
+    key = "service.data_dir"
     try:
-        return path.read_text().strip()
+        salt = path.read_text().strip()
     except FileNotFoundError:
-        pass
-    path.parent.mkdir(parents=True, exist_ok=True)
+        salt = None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(key, str(path.parent), f"a readable key_salt file ({exc})") from exc
+    if salt is not None:
+        if not salt:
+            raise ConfigError(
+                key,
+                str(path.parent),
+                f"a non-empty {path.name}: remove the empty file to generate a new salt"
+                " (chunks stored under the old one become unreachable)",
+            )
+        return salt
     salt = secrets.token_hex(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(salt + "\n")
+    try:
+        make_private_dirs(path.parent)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(salt + "\n")
+    except OSError as exc:
+        raise ConfigError(
+            key, str(path.parent), f"a writable directory for {path.name} ({exc})"
+        ) from exc
     log.info("generated a new key salt in %s", path)
     return salt
 

@@ -34,7 +34,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from kvtier.errors import ClosedError, InputError, TierError
+from kvtier.errors import ClosedError, InputError, NotDurableError, TierError
 from kvtier.keys import ChunkKey, check_keys
 from kvtier.store.index import StoreIndex
 from kvtier.store.mover import Listener, Mover
@@ -200,6 +200,13 @@ class TieredStore:
 
         Shared tiers delete the values from their medium too (one round trip each), so
         other processes stop finding them; chunks only there count as present.
+        Persistent tiers make the deletion durable as their durability mode promises for
+        writes (``sync``: before this returns).
+
+        Raises:
+            NotDurableError: the chunks are gone from this process, but a persistent
+                tier could not make that durable (a full disk); after a restart they may
+                come back. The tier keeps trying; a retry answers once it succeeds.
         """
         self._check_open()
         keys = check_keys(keys)
@@ -220,6 +227,16 @@ class TieredStore:
             self._index.counts.deleted_chunks += removed
         if removed:
             self._mover.emit(StoreEvent(EventKind.DELETED, "", removed, 0))
+        for i, tier in enumerate(self.tiers):
+            # Also when nothing was removed now: a retried delete learns whether the
+            # first one's records have reached the disk since.
+            try:
+                tier.commit_forgets()
+            except TierError as exc:
+                self._mover.tier_failed(i, "delete", exc, removed)
+                raise NotDurableError(
+                    f"deleted, but tier {tier.name} could not make it durable: {exc}"
+                ) from exc
         return removed
 
     def pin(self, keys: Sequence[ChunkKey]) -> int:

@@ -103,6 +103,24 @@ class TierStats:
     # Bytes that reached the medium (after codecs, with padding and journals): what
     # wears an SSD. Equal to bytes_written for tiers that add nothing.
     media_bytes_written: int = 0
+    # False while the tier cannot serve (a Redis node down or hung): its chunks are misses.
+    up: bool = True
+    # Why the tier is down, empty while it is up.
+    down_reason: str = ""
+    # Transfers that failed in the tier (EIO, ENOSPC, timeouts), since start.
+    io_errors: int = 0
+    # Chunks whose bytes or metadata failed verification in the tier, since start.
+    corrupt_chunks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TierFaults:
+    """A tier's own view of its faults (see :meth:`Tier.faults`)."""
+
+    up: bool = True
+    down_reason: str = ""
+    io_errors: int = 0
+    corrupt_chunks: int = 0
 
 
 class Tier(ABC):
@@ -231,6 +249,16 @@ class Tier(ABC):
     def forget(self, run: SlotRun) -> None:  # noqa: B027 - optional hook
         """Called before the store releases a run's slots (persistent tiers journal it)."""
 
+    def commit_forgets(self) -> None:  # noqa: B027 - optional hook
+        """Make the :meth:`forget` calls of a deletion durable, as the tier's durability
+        mode promises for writes (the store's ``delete`` calls it before answering).
+
+        Raises:
+            TierIOError: they could not be made durable (a full disk).
+
+        Default: nothing to do.
+        """
+
     def bind(self, namespace: Namespace) -> None:  # noqa: B027 - optional hook
         """The key namespace (model, KV spec, tenant) of the chunks this tier will hold.
 
@@ -267,8 +295,16 @@ class Tier(ABC):
         """Bytes written to the medium itself; tiers with codecs or journals override."""
         return self._bytes_written
 
+    def faults(self) -> TierFaults:
+        """Whether the tier serves now, and its fault counters. Never blocks on I/O.
+
+        Default: up, no faults counted.
+        """
+        return TierFaults()
+
     def stats(self) -> TierStats:
         media = self.media_bytes_written()
+        f = self.faults()
         with self._alloc_lock:
             a = self._alloc.stats()
         with self._stat_lock:
@@ -286,4 +322,8 @@ class Tier(ABC):
                 read_ops=self._read_ops,
                 emulated=self.emulated,
                 media_bytes_written=media,
+                up=f.up,
+                down_reason=f.down_reason,
+                io_errors=f.io_errors,
+                corrupt_chunks=f.corrupt_chunks,
             )

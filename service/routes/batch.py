@@ -34,7 +34,7 @@ def router(d: Daemon) -> APIRouter:
         summary="Length of the leading run of present keys, and the tier of each hit.",
     )
     async def lookup(req: KeysRequest, t: TenantDep) -> LookupResponse:
-        res = d.store.lookup(d.keys(t, req.keys))
+        res = await d.lookup(d.keys(t, req.keys))
         d.tenants.add(
             t.name, lookup_hit_chunks=res.hits, lookup_miss_chunks=len(req.keys) - res.hits
         )
@@ -48,24 +48,35 @@ def router(d: Daemon) -> APIRouter:
             200: {"description": "A batch body (KVTB format) of the leading hits.", **BINARY_BODY}
         },
     )
-    async def batch_get(req: KeysRequest, t: TenantDep) -> Response:
+    async def batch_get(req: KeysRequest, request: Request, t: TenantDep) -> Response:
         ikeys = d.keys(t, req.keys)
-        hits = d.store.lookup(ikeys).hits
+        hit = await d.lookup(ikeys)
         lim = d.limits
         # The response is capped at max_body_bytes; the TRUNCATED flag says more may follow.
-        fit = max(1, (lim.max_body_bytes - wire.table_bytes(hits)) // lim.max_value_bytes)
-        n = min(hits, fit)
+        # The buffer is sized to the hits' lengths, and taken from the in-flight budget.
+        n, room = 0, lim.max_body_bytes - wire.table_bytes(hit.hits)
+        for size in hit.value_bytes:
+            if n and size > room:
+                break
+            room -= size
+            n += 1
         start = wire.table_bytes(n)
-        buf = np.empty(start + n * lim.max_value_bytes, dtype=np.uint8)
+        payload = sum(hit.value_bytes[:n])
+        d.budget.hold(request.scope, start + payload)
+        buf = np.empty(start + payload, dtype=np.uint8)
         view = buf.data
+        chunks, nbytes, lengths = 0, 0, ()
         if n:
-            res = await _wait(d.store.get(ikeys[:n], view[start:]))
-            chunks, nbytes, lengths = res.chunks, res.nbytes, res.value_bytes
-        else:
-            chunks, nbytes, lengths = 0, 0, ()
+            try:
+                res = await _wait(d.store.get(ikeys[:n], view[start:]))
+                chunks, nbytes, lengths = res.chunks, res.nbytes, res.value_bytes
+            except InputError:
+                # A key evicted and stored again with another length since the lookup:
+                # the run no longer fits its buffer. Answer the misses that it now is.
+                pass
         # Keys evicted between lookup and get shorten the run; the table then has gaps
         # before the payload, which payload_offset allows.
-        flags = wire.FLAG_TRUNCATED if chunks == n < hits else 0
+        flags = wire.FLAG_TRUNCATED if chunks == n < hit.hits else 0
         wire.write_header(view, chunks, start, flags)
         wire.write_table(view, [ChunkKey(bytes.fromhex(k)) for k in req.keys[:chunks]], lengths)
         d.tenants.add(

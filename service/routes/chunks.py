@@ -51,12 +51,22 @@ def router(d: Daemon) -> APIRouter:
         responses={200: {"description": "Present."}, 404: {"description": "Not present."}},
     )
     async def head_chunk(key: KeyPath, t: TenantDep) -> Response:
-        hit = d.store.lookup([d.key(t, key)]).hits
+        hit = (await d.lookup([d.key(t, key)])).hits
         d.tenants.add(t.name, lookup_hit_chunks=hit, lookup_miss_chunks=1 - hit)
         return Response(status_code=200 if hit else 404)
 
-    @api.delete("/v1/chunks/{key}", summary="Remove one key (idempotent).")
+    @api.delete(
+        "/v1/chunks/{key}",
+        summary="Remove one key (idempotent).",
+        responses={
+            503: {
+                "model": ErrorResponse,
+                "description": "not_durable: removed here, but a persistent tier with "
+                "durability = sync could not make it durable (a full disk); retry.",
+            }
+        },
+    )
     async def delete_chunk(key: KeyPath, t: TenantDep) -> DeleteResponse:
-        return DeleteResponse(deleted=d.store.delete([d.key(t, key)]))
+        return DeleteResponse(deleted=await d.delete([d.key(t, key)]))
 
     return api

@@ -12,6 +12,7 @@ from kvtier.store.types import PutResult
 from .. import wire
 from ..daemon import Daemon
 from ..errors import ApiError
+from ..limits import TENANT
 from ..schemas import KEY_PATTERN, PutResponse
 from ..tenants import Tenant
 
@@ -26,8 +27,10 @@ _bearer = HTTPBearer(auto_error=False, description="A token from [service.tokens
 def _tenant(
     request: Request, cred: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]
 ) -> Tenant:
-    d: Daemon = request.app.state.daemon
-    t = d.auth.authenticate(f"Bearer {cred.credentials}" if cred else None)
+    t = request.scope.get(TENANT)  # the gate authenticated it before the body was read
+    if t is None:
+        d: Daemon = request.app.state.daemon
+        t = d.auth.authenticate(f"Bearer {cred.credentials}" if cred else None)
     if t is None:
         raise ApiError(
             401,

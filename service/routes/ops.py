@@ -35,6 +35,11 @@ def router(d: Daemon) -> APIRouter:
     async def readyz() -> Response:
         if not d.ready:
             return error(503, "not_ready", "the daemon is starting or shutting down")
+        # A tier that is down (a hung Redis) makes its chunks misses, not the daemon
+        # unready: it still serves the other tiers. The body names it.
+        down = {t.name: f.down_reason for t in d.store.tiers if not (f := t.faults()).up}
+        if down:
+            return JSONResponse({"status": "degraded", "tiers_down": down})
         return JSONResponse({"status": "ready"})
 
     @api.get(

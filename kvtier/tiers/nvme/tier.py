@@ -50,7 +50,8 @@ from typing_extensions import override
 from kvtier import codec as kvcodec
 from kvtier.enums import Switch
 from kvtier.errors import ClosedError, ConfigError, CorruptChunkError, TierIOError
-from kvtier.tiers.base import SlotRun, Tier, TierProfile
+from kvtier.files import DIR_MODE, FILE_MODE, make_private, make_private_dirs
+from kvtier.tiers.base import SlotRun, Tier, TierFaults, TierProfile
 from kvtier.tiers.nvme import Codec, EngineKind, Options
 from kvtier.tiers.nvme.engine import PAGE, BufferPool, IOEngine, IORequest, is_aligned, make_engine
 from kvtier.tiers.nvme.journal import Durability, Entry, Geometry, Journal, Op
@@ -119,7 +120,7 @@ def _dirs(name: str, opts: Options) -> list[Path]:
                     f"tiers.{name}.paths", p, "an existing directory (or set create_dirs = true)"
                 )
             try:
-                d.mkdir(parents=True, exist_ok=True)
+                make_private_dirs(d)
             except OSError as exc:
                 raise ConfigError(
                     f"tiers.{name}.paths", p, f"a directory that can be created ({exc})"
@@ -186,7 +187,8 @@ class NVMeTier(Tier):
         try:
             self._open_slabs(dirs)
             index_dir = dirs[0] / f"{name}.index"
-            index_dir.mkdir(exist_ok=True)
+            index_dir.mkdir(mode=DIR_MODE, exist_ok=True)
+            make_private(index_dir)
             self._lock_fd = _lock_dir(index_dir, name)
             self._journal = Journal(
                 index_dir,
@@ -197,7 +199,8 @@ class NVMeTier(Tier):
                 sync_data=self.engine.sync,
             )
             live = self._load() if opts.recover else {}
-            self._journal.start(live)
+            # Without recovery the loaded generation's records must not be resumed.
+            self._journal.start(live, resume=opts.recover)
         except OSError as exc:
             self._close_files()
             raise ConfigError(
@@ -233,7 +236,8 @@ class NVMeTier(Tier):
             slots = min(self._per_slab, self.capacity_slots - i * self._per_slab)
             size = max(0, slots) * self.slot_bytes
             path = d / f"{self.name}.slab{i}"
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+            os.fchmod(fd, FILE_MODE)  # also a slab an older version made 0644
             self._grow_fds.append(fd)
             self._slab_bytes.append(size)
             # What an earlier run reserved stays reserved (fallocate extends the file).
@@ -516,8 +520,10 @@ class NVMeTier(Tier):
         with self._meta_lock:
             for e in entries:
                 self._meta[e.slot] = e
-        ticket = self._journal.append([(Op.PUT, e) for e in entries])
-        if self.options.durability is Durability.SYNC:
+        sync = self.options.durability is Durability.SYNC
+        # Under sync the put fails with its commit, so its records must not be retried.
+        ticket = self._journal.append([(Op.PUT, e) for e in entries], fail_fast=sync)
+        if sync:
             try:
                 ticket.wait()
             except OSError as exc:
@@ -650,6 +656,16 @@ class NVMeTier(Tier):
             self._journal.append(ops)
 
     @override
+    def commit_forgets(self) -> None:
+        """Under ``sync``, wait until every queued deletion is durable (group commit)."""
+        if self._closed or self.options.durability is not Durability.SYNC:
+            return
+        try:
+            self._journal.flush_pending()
+        except OSError as exc:
+            raise self._io_error("journal commit of deletions", exc) from exc
+
+    @override
     def flush(self) -> None:
         """Make every acknowledged chunk and deletion durable, whatever the durability mode.
 
@@ -675,6 +691,13 @@ class NVMeTier(Tier):
     @override
     def media_bytes_written(self) -> int:
         return self.nvme_stats().media_bytes_written
+
+    @override
+    def faults(self) -> TierFaults:
+        with self._count_lock:
+            return TierFaults(
+                io_errors=self._counts["io_errors"], corrupt_chunks=self._counts["corrupt"]
+            )
 
     def nvme_stats(self) -> NVMeStats:
         """Counters specific to this tier (media bytes for the endurance budget, faults)."""
@@ -708,7 +731,7 @@ class NVMeTier(Tier):
 
 def _lock_dir(index_dir: Path, name: str) -> int:
     """Take the index directory for this process: two writers would corrupt each other."""
-    fd = os.open(index_dir / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(index_dir / "lock", os.O_RDWR | os.O_CREAT, FILE_MODE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:

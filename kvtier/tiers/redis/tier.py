@@ -30,7 +30,7 @@ from typing_extensions import override
 
 from kvtier.errors import ConfigError, CorruptChunkError, PluginError, TierIOError
 from kvtier.keys import ChunkKey, Namespace
-from kvtier.tiers.base import SlotRun, Tier, TierProfile, TierSection
+from kvtier.tiers.base import SlotRun, Tier, TierFaults, TierProfile, TierSection
 from kvtier.tiers.redis import wire
 from kvtier.tiers.redis.nodes import NodeHealth, Nodes, Op
 from kvtier.units import MiB
@@ -182,6 +182,15 @@ class RedisTier(Tier):
     def health(self) -> tuple[NodeHealth, ...]:
         """Each node's breaker state, for stats pages and tests."""
         return self._nodes.health()
+
+    @override
+    def faults(self) -> TierFaults:
+        """Down while any node's breaker is open (it timed out or refused: a hung Redis)."""
+        down = [h for h in self._nodes.health() if not h.up]
+        if not down:
+            return TierFaults()
+        reason = "; ".join(f"{h.node}: {h.last_error}" for h in down[:3])
+        return TierFaults(up=False, down_reason=reason)
 
     # -- the shared-medium hooks ---------------------------------------------------------
 

@@ -129,20 +129,23 @@ def test_encoded_chunks_read_back_after_the_codec_is_turned_off(make_store) -> N
     assert np.array_equal(out, data)
 
 
-def test_deletions_alone_do_not_force_commits_under_sync(make_store) -> None:
-    # The commit interval is a minute, so deletions alone must wait for it (or for a PUT,
-    # or a flush); a PUT commits at once.
+def test_deletions_are_durable_before_delete_returns_under_sync(make_store) -> None:
+    # A user's delete is acknowledged as durable under sync (issue 11): each delete call
+    # commits its DELs (group commit) before it returns, even with a minute-long interval.
+    # Evictions do not: their DELs ride along with the next commit.
     store, tier = make_store(batch_interval_ms=60_000.0)
     ids = list(range(30))
     assert store.put([key(i) for i in ids], values(ids)).result().stored == 30
     before = tier.nvme_stats().commits
     store.delete([key(i) for i in ids[:10]])
+    assert tier.nvme_stats().commits == before + 1
     for i in ids[10:20]:
         store.delete([key(i)])
-    assert tier.nvme_stats().commits == before
-    assert store.put([key(100)], values([100])).result().stored == 1  # carries the DELs along
-    assert tier.nvme_stats().commits == before + 1
+    assert tier.nvme_stats().commits == before + 11
+    store.delete([key(i) for i in ids[:10]])  # nothing left to delete: no commit
+    assert tier.nvme_stats().commits == before + 11
+    assert store.put([key(100)], values([100])).result().stored == 1
     store.delete([key(i) for i in ids[20:]])
-    store.close()  # the clean close commits the rest
+    store.close()
     store, _ = make_store()
     assert get_all(store, [*ids, 100]) == {100: True}
