@@ -68,11 +68,23 @@ def versions() -> dict[str, str]:
     return out
 
 
+def command() -> str:
+    """The command line as a user types it, without this machine's paths."""
+    prog = Path(sys.argv[0])
+    if prog.name in ("kvtier", "main.py", "__main__.py"):
+        head = "kvtier"
+    elif prog.parent.name == "bench":  # python -m kvtier.bench.NAME
+        head = f"python -m kvtier.bench.{prog.stem}"
+    else:
+        head = prog.name
+    return " ".join([head, *sys.argv[1:]])
+
+
 def envelope(name: str, rows: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     """The JSON every benchmark writes."""
     return {
         "benchmark": name,
-        "command": " ".join(sys.argv),
+        "command": command(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"node": platform.node(), "machine": platform.machine(), "cpus": __import__("os").cpu_count()},
         "versions": versions(),

@@ -263,11 +263,16 @@ def run_staging_sweep(
                     }
                 )
     finally:
-        for e in engines.values():
-            e.close()
-        c.close()
-        gc.collect()
+        _release(c, engines)
     return rows
+
+
+def _release(c: Case, engines: dict[Any, TransferEngine]) -> None:
+    """Close a case and its engines, and collect: the next case needs the memory."""
+    for e in engines.values():
+        e.close()
+    c.close()
+    gc.collect()
 
 
 def run_small(
@@ -332,10 +337,7 @@ def run_small(
                 flush=True,
             )
         finally:
-            for e in engines.values():
-                e.close()
-            c.close()
-            gc.collect()
+            _release(c, engines)
     return rows
 
 

@@ -61,6 +61,12 @@ def _dd(args: list[str]) -> float:
     return float(m.group(1))
 
 
+def dd_write(src: Path, dst: Path, nbytes: int) -> float:
+    """dd's own seconds to write ``nbytes`` of ``src`` into ``dst``, O_DIRECT and flushed."""
+    args = [f"if={src}", f"of={dst}", f"bs={nbytes}", "count=1", "oflag=direct"]
+    return _dd([*args, "conv=notrunc,fdatasync"])
+
+
 def _dd_parallel(k: int, make_args: Any) -> float:
     """Run ``k`` dd processes at once (``make_args(i)`` each); the slowest one's own time.
 
@@ -189,16 +195,7 @@ def throughput(
             n = nbytes // slot
             data = rng.integers(0, 256, nbytes, dtype=np.uint8)
             src_file.write_bytes(data.tobytes())  # page-cached source for dd's writes
-            _dd(
-                [
-                    f"if={src_file}",
-                    f"of={dd_file}",
-                    f"bs={nbytes}",
-                    "count=1",
-                    "oflag=direct",
-                    "conv=notrunc,fdatasync",
-                ]
-            )
+            dd_write(src_file, dd_file, nbytes)
             runs = {}
             for e, t in tiers.items():
                 offset = 0  # the aiofiles baseline names its files by key
@@ -211,16 +208,7 @@ def throughput(
             out = np.empty_like(data)
             for rep in range(repeat + 1):  # the first round is a warm-up
                 sample: dict[str, float] = {}
-                sample["dd:write"] = _dd(
-                    [
-                        f"if={src_file}",
-                        f"of={dd_file}",
-                        f"bs={nbytes}",
-                        "count=1",
-                        "oflag=direct",
-                        "conv=notrunc,fdatasync",
-                    ]
-                )
+                sample["dd:write"] = dd_write(src_file, dd_file, nbytes)
                 part = nbytes // PAR
                 sample["dd4:write"] = _dd_parallel(
                     PAR,

@@ -213,16 +213,9 @@ def main(argv: list[str]) -> int:
             sync()
 
         def dd_write() -> float:
-            return _dd(
-                [
-                    f"if={src_file}",
-                    f"of={dd_file}",
-                    f"bs={nbytes}",
-                    "count=1",
-                    "oflag=direct",
-                    "conv=notrunc,fdatasync",
-                ]
-            )
+            from kvtier.bench.nvme import dd_write
+
+            return float(dd_write(src_file, dd_file, nbytes))
 
         def dd_read() -> float:
             return _dd([f"if={dd_file}", "of=/dev/null", f"bs={nbytes}", "count=1", "iflag=direct"])

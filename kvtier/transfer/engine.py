@@ -251,13 +251,7 @@ class TransferEngine(PagedTransfer):
         if order is HostOrder.BLOCK:
             return self._store_rows(kv, ids_cpu, host, dst)
         s = self._sync
-        units = plan(
-            kv.num_layers,
-            n,
-            kv.geometry.page_bytes,
-            self._unit_bytes(kv, n),
-            ramp_bytes=0 if self._direct else self.options.ramp_bytes,
-        )
+        units = self._plan(kv, n, ramp_at_end=False)
         with self._lock:
             s.after_current("gather")
             with s.on("gather"):
@@ -310,14 +304,7 @@ class TransferEngine(PagedTransfer):
         if order is HostOrder.BLOCK:
             return self._load_rows(src, kv, ids_cpu, host)
         s = self._sync
-        units = plan(
-            kv.num_layers,
-            n,
-            kv.geometry.page_bytes,
-            self._unit_bytes(kv, n),
-            ramp_bytes=0 if self._direct else self.options.ramp_bytes,
-            ramp_at_end=True,
-        )
+        units = self._plan(kv, n, ramp_at_end=True)
         layer_events: list[Any] = [None] * kv.num_layers
         with self._lock:
             # Blocks vLLM zeroed (or attention still reads) on the compute stream come first.
@@ -441,6 +428,17 @@ class TransferEngine(PagedTransfer):
                     layer_events[layer] = ev
             done = self._free[_LOAD][slot]
         return _Handle(s, done, layer_events, (ids, src))
+
+    def _plan(self, kv: PagedKV, n: int, *, ramp_at_end: bool) -> list[Unit]:
+        """Units of an ``n``-block transfer; loads ramp at the end, stores at the start."""
+        return plan(
+            kv.num_layers,
+            n,
+            kv.geometry.page_bytes,
+            self._unit_bytes(kv, n),
+            ramp_bytes=0 if self._direct else self.options.ramp_bytes,
+            ramp_at_end=ramp_at_end,
+        )
 
     def _unit_bytes(self, kv: PagedKV, n: int) -> int:
         if self._direct:

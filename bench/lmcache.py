@@ -1,0 +1,391 @@
+"""kvtier under LMCache against LMCache's own backends, through the same LMCache engine.
+
+Usage: ``kvtier bench lmcache [--chunks N] [--repeat R] [--json F]``
+
+One real LMCache 0.5.6 engine per backend (Llama-3-8B geometry: 32 layers, 8 KV heads
+of 128, bf16, 256-token chunks = 32 MiB each), the same prompt and the same random KV
+bytes for every backend, run one after the other in one process:
+
+* ``kvtier-remote``: ``KVTierRemoteConnector`` to a ``kvtier serve`` daemon whose one
+  tier is nvme (``durability = "none"``, buffered I/O);
+* ``kvtier-embedded``: ``KVTierStoragePlugin`` with the same nvme tier in-process;
+* ``lmcache-localdisk``: LMCache's ``LocalDiskBackend`` (``local_disk: file://``);
+* ``lmcache-fs``: LMCache's ``fs`` remote connector (one file per chunk);
+* ``lmcache-redis``: LMCache's ``redis`` remote connector on a real ``redis-server``.
+
+The first four keep chunks in files written through the OS page cache without fsync
+(one durability class); Redis keeps them in memory. Per backend: store throughput
+(``engine.store`` until the backend holds every chunk), retrieve throughput (LMCache's
+local CPU copy dropped before each retrieve, so bytes come from the backend; median of
+``--repeat``, every retrieve checked byte for byte), and the hit rate after destroying
+the engine and restarting its backend (daemon or redis-server stopped and started;
+files left where they are). The GPU side is a CPU copy (LMCache's mock GPU connector
+plus the copy), the same for every backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench.common import envelope, write_json
+
+LAYERS, HEADS, HEAD_SIZE, CHUNK = 32, 8, 128, 256
+TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_SIZE * 2  # K and V, bf16
+STABLE = {"pre_caching_hash_algorithm": "sha256_cbor"}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _nvme_toml(directory: Path, capacity_bytes: int) -> str:
+    return "\n".join(
+        [
+            "[[tiers]]",
+            'kind = "nvme"',
+            f"capacity_bytes = {capacity_bytes}",
+            f'dir = "{directory / "nvme"}"',
+            "create_dirs = true",
+            'durability = "none"',
+            'o_direct = "off"',
+            "",
+            "[store]",
+            'placement = "keep"',
+            "",
+            "[service]",
+            f'data_dir = "{directory}"',
+            f"max_value_bytes = {CHUNK * TOKEN_BYTES}",
+            f"max_body_bytes = {4 * CHUNK * TOKEN_BYTES}",
+            "",
+        ]
+    )
+
+
+@dataclass
+class _Daemon:
+    proc: subprocess.Popen[bytes]
+    url: str
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _serve(directory: Path, port: int) -> _Daemon:
+    import httpx
+
+    config = directory / "kvtier.toml"
+    log = open(directory / "daemon.log", "ab")  # noqa: SIM115  # the child owns it
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.cli.main",
+            "serve",
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvtier daemon exited: see {directory / 'daemon.log'}")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return _Daemon(proc, url)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("kvtier daemon did not become ready")
+
+
+class _Engines:
+    """Builds LMCache engines over the Llama-3-8B geometry with a copying mock connector."""
+
+    def __init__(self, local_cpu_gb: float) -> None:
+        import torch
+        from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
+
+        os.environ.setdefault("PYTHONHASHSEED", "0")  # vLLM's NONE_HASH derives from it
+        self.torch = torch
+        self.local_cpu_gb = local_cpu_gb
+        self.n = 0
+
+        class Copy(MockGPUConnector):  # type: ignore[misc]
+            def batched_from_gpu(self, objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
+                src = kw["kv"]
+                for o, s, e in zip(objs, starts, ends, strict=True):
+                    o.byte_array.cast("B")[: (e - s) * TOKEN_BYTES] = (
+                        src[s * TOKEN_BYTES : e * TOKEN_BYTES].numpy().data
+                    )
+
+            def batched_to_gpu(self, objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
+                out = kw["out"]
+                for o, s, e in zip(objs, starts, ends, strict=True):
+                    n = (e - s) * TOKEN_BYTES
+                    out[s * TOKEN_BYTES : e * TOKEN_BYTES].numpy()[:] = o.byte_array.cast("B")[:n]
+
+        self.connector = Copy
+
+    @contextmanager
+    def engine(self, config: dict[str, Any]) -> Iterator[Any]:
+        from lmcache.v1.cache_engine import LMCacheEngineBuilder
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.metadata import LMCacheMetadata
+
+        cfg = LMCacheEngineConfig.from_dict(
+            {"chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": self.local_cpu_gb}
+            | STABLE
+            | config
+        )
+        meta = LMCacheMetadata(
+            model_name="meta-llama/Meta-Llama-3-8B",
+            world_size=1,
+            local_world_size=1,
+            worker_id=0,
+            local_worker_id=0,
+            kv_dtype=self.torch.bfloat16,
+            kv_shape=(LAYERS, 2, CHUNK, HEADS, HEAD_SIZE),
+            chunk_size=CHUNK,
+        )
+        self.n += 1
+        name = f"kvtier-bench-{os.getpid()}-{self.n}"
+        eng = LMCacheEngineBuilder.get_or_create(
+            name,
+            cfg,
+            meta,
+            self.connector(kv_shape=meta.kv_shape),
+            lambda t, r: None,
+            lambda o, r: o,
+        )
+        eng.post_init()
+        try:
+            yield eng
+        finally:
+            LMCacheEngineBuilder.destroy(name)
+
+
+@dataclass
+class _Backend:
+    name: str
+    durability: str
+    config: Callable[[], dict[str, Any]]
+    backend: str  # LMCache's name of the storage backend
+    restart: Callable[[], None]
+
+
+def _wait_held(eng: Any, tokens: list[int], backend: str, timeout_s: float = 120.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        n = int(eng.lookup(tokens, search_range=[backend]))
+        if n >= len(tokens) or time.monotonic() > deadline:
+            return n
+        time.sleep(0.01)
+
+
+def _run_backend(
+    engines: _Engines, b: _Backend, tokens: list[int], kv: Any, repeat: int
+) -> dict[str, Any]:
+    torch = engines.torch
+    nbytes = len(tokens) * TOKEN_BYTES
+    row: dict[str, Any] = {"backend": b.name, "durability": b.durability, "bytes": nbytes}
+    with engines.engine(b.config()) as eng:
+        t0 = time.perf_counter()
+        eng.store(tokens, kv=kv)
+        held = _wait_held(eng, tokens, b.backend)
+        store_s = time.perf_counter() - t0
+        row["stored_tokens"] = held
+        row["store_GBps"] = nbytes / store_s / 1e9
+        times: list[float] = []
+        got: list[int] = []
+        ok = True
+        for _ in range(repeat + 1):  # the first is a warm-up
+            eng.clear(locations=["LocalCPUBackend"])
+            out = torch.zeros(nbytes, dtype=torch.uint8)
+            t0 = time.perf_counter()
+            mask = eng.retrieve(tokens, out=out)
+            times.append(time.perf_counter() - t0)
+            n = int(mask.sum()) * TOKEN_BYTES
+            got.append(n // TOKEN_BYTES)
+            # Correctness over what came back; a short retrieve shows in retrieved_tokens.
+            ok = ok and bool(torch.equal(out[:n], kv[:n]))
+        row["retrieved_tokens"] = min(got)
+        row["complete"] = held == len(tokens) and min(got) == len(tokens)
+        row["retrieve_s"] = {
+            "median": statistics.median(times[1:]),
+            "min": min(times[1:]),
+            "max": max(times[1:]),
+        }
+        row["retrieve_GBps"] = min(got) * TOKEN_BYTES / row["retrieve_s"]["median"] / 1e9
+        row["bytes_equal"] = ok
+    b.restart()
+    with engines.engine(b.config()) as eng:
+        hit = int(eng.lookup(tokens))
+    row["hit_rate_after_restart"] = hit / len(tokens)
+    return row
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="kvtier bench lmcache", description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--chunks", type=int, default=8, help="256-token chunks per prompt (32 MiB each)"
+    )
+    ap.add_argument("--repeat", type=int, default=5, help="timed retrieves per backend")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    try:
+        import lmcache  # noqa: F401
+    except ImportError:
+        print("kvtier bench lmcache needs LMCache: pip install 'kvtier[lmcache]'", file=sys.stderr)
+        return 2
+    import torch
+
+    from kvtier.bench.redis_procs import RedisServer
+
+    nbytes = args.chunks * CHUNK * TOKEN_BYTES
+    engines = _Engines(local_cpu_gb=max(0.5, 2.5 * nbytes / 2**30))
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 120000, (args.chunks * CHUNK,), generator=g).tolist()
+    kv = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-lmcache-"))
+    capacity = 4 * nbytes
+    (tmp / "daemon").mkdir()
+    (tmp / "daemon" / "kvtier.toml").write_text(_nvme_toml(tmp / "daemon", capacity))
+    (tmp / "embedded").mkdir()
+    (tmp / "embedded" / "kvtier.toml").write_text(_nvme_toml(tmp / "embedded", capacity))
+    port = _free_port()
+    state: dict[str, Any] = {"daemon": _serve(tmp / "daemon", port)}
+    redis = RedisServer(tmp / "redis").start()
+    state["redis"] = redis
+
+    def restart_daemon() -> None:
+        state["daemon"].stop()
+        state["daemon"] = _serve(tmp / "daemon", port)
+
+    def restart_redis() -> None:
+        state["redis"].stop()
+        state["redis"] = RedisServer(tmp / "redis", port=redis.port).start()
+
+    def nothing() -> None:
+        return None
+
+    disk_gb = 2 * nbytes / 2**30
+    backends = [
+        _Backend(
+            "kvtier-remote",
+            "files, no fsync",
+            lambda: {
+                "remote_storage_plugins": ["kvtier"],
+                "extra_config": {
+                    "remote_storage_plugin.kvtier.module_path": "kvtier.connectors.lmcache",
+                    "remote_storage_plugin.kvtier.class_name": "KVTierRemoteConnector",
+                    "remote_storage_plugin.kvtier.url": state["daemon"].url,
+                    "remote_storage_plugin.kvtier.timeout_s": 60.0,
+                },
+            },
+            "RemoteBackend-kvtier",
+            restart_daemon,
+        ),
+        _Backend(
+            "kvtier-embedded",
+            "files, no fsync",
+            lambda: {
+                "storage_plugins": ["kvtier"],
+                "extra_config": {
+                    "storage_plugin.kvtier.module_path": "kvtier.connectors.lmcache",
+                    "storage_plugin.kvtier.class_name": "KVTierStoragePlugin",
+                    "storage_plugin.kvtier.config_file": str(tmp / "embedded" / "kvtier.toml"),
+                },
+            },
+            "kvtier",
+            nothing,
+        ),
+        _Backend(
+            "lmcache-localdisk",
+            "files, no fsync",
+            lambda: {"local_disk": f"file://{tmp / 'localdisk'}/", "max_local_disk_size": disk_gb},
+            "LocalDiskBackend",
+            nothing,
+        ),
+        _Backend(
+            "lmcache-fs",
+            "files, no fsync",
+            lambda: {
+                "remote_storage_plugins": ["fs"],
+                "extra_config": {"remote_storage_plugin.fs.base_path": str(tmp / "fs")},
+            },
+            "RemoteBackend-fs",
+            nothing,
+        ),
+        _Backend(
+            "lmcache-redis",
+            "memory",
+            lambda: {"remote_url": state["redis"].url.rsplit("/", 1)[0]},
+            "RemoteBackend",
+            restart_redis,
+        ),
+    ]
+    rows: list[dict[str, Any]] = []
+    try:
+        for b in backends:
+            rows.append(_run_backend(engines, b, tokens, kv, args.repeat))
+            r = rows[-1]
+            print(
+                f"{r['backend']:18} store {r['store_GBps']:6.2f} GB/s  retrieve {r['retrieve_GBps']:6.2f} GB/s  "
+                f"complete {r['complete']}  bytes equal {r['bytes_equal']}  hits after restart {r['hit_rate_after_restart']:.0%}",
+                flush=True,
+            )
+    finally:
+        state["daemon"].stop()
+        state["redis"].stop()
+    by = {r["backend"]: r for r in rows}
+    disk = [
+        r
+        for r in rows
+        if r["durability"].startswith("files") and r["backend"].startswith("lmcache")
+    ]
+    best = max(disk, key=lambda r: r["retrieve_GBps"])
+    ratios = {
+        f"{k}_retrieve_vs_{best['backend']}": by[k]["retrieve_GBps"] / best["retrieve_GBps"]
+        for k in ("kvtier-remote", "kvtier-embedded")
+    }
+    ratios["kvtier-remote_retrieve_vs_lmcache-redis"] = (
+        by["kvtier-remote"]["retrieve_GBps"] / by["lmcache-redis"]["retrieve_GBps"]
+    )
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}x")
+    verified = all(r["bytes_equal"] for r in rows)
+    write_json(
+        args.json, envelope("lmcache", rows, ratios=ratios, verified=verified, chunks=args.chunks)
+    )
+    return 0 if verified else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
