@@ -2,6 +2,7 @@
 
     kvtier bench vllm_e2e --json out.json [--tokens 4096] [--repeat 5] [--layers 4] ...
     kvtier bench vllm_e2e --disagg --json out.json [--tokens 8192] [--repeat 3] ...
+    kvtier bench vllm_e2e --restart ...   (TTFT in a new engine process: vllm_restart.py)
 
 One engine with the kvtier connector (host tier). For each repeat, a fresh random
 prompt is sent twice with a fresh cache salt: the first run misses (vLLM computes the
@@ -129,6 +130,11 @@ def _dlogprob(a: dict[int, float], b: dict[int, float]) -> float:
 
 
 def main(argv: list[str]) -> int:
+    if "--restart" in argv:  # two engine processes: see kvtier.bench.vllm_restart
+        from kvtier.bench.vllm_restart import main as restart_main
+
+        rc: int = restart_main(argv)
+        return rc
     a = _args(argv)
     if a.disagg:
         return run_disagg(a)
