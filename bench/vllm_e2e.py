@@ -41,6 +41,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -386,6 +387,7 @@ def run_disagg(a: argparse.Namespace) -> int:
 
     url, daemon = start_kvtier(tmp, "2GiB", max_value_bytes=kv_bytes_per_token * a.chunk_tokens)
     producer: Producer | None = None
+    finished = False
     try:
         producer = Producer(a, model, url, tmp / "producer.log")
         from vllm import LLM, SamplingParams
@@ -452,11 +454,14 @@ def run_disagg(a: argparse.Namespace) -> int:
 
         connector: Any = get_kv_transfer_group()
         consumer_totals: dict[str, float] = dict(connector.worker.totals())
+        finished = True
     finally:
         if producer is not None:
             producer.close()
         daemon.terminate()
         daemon.wait()
+        if finished:  # the model, the daemon's data; the logs stay when something failed
+            shutil.rmtree(tmp, ignore_errors=True)
 
     pairs = [h / c for h, c in zip(hit_s, cold_s, strict=True)]
     med_hit, med_cold = statistics.median(hit_s), statistics.median(cold_s)
