@@ -26,6 +26,7 @@ from kvtier.bench.common import envelope, interleaved, write_json
 from kvtier.enums import Switch
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
+from kvtier.tiers.base import TierGeometry
 from kvtier.tiers.host import HostTier, Options
 
 CHUNK = 2 << 20
@@ -152,7 +153,9 @@ def main(argv: list[str]) -> int:
     # Prefaulted like the baseline's buffer below: the comparison is of steady-state
     # copies. The arena's default (prefault = false) pays each page's first fault on
     # its first put instead, which this benchmark does not set out to measure.
-    tier = HostTier("host", 1 << 30, CHUNK, 1 << 30, Options(pin=Switch.AUTO, prefault=True))
+    tier = HostTier(
+        TierGeometry("host", 1 << 30, CHUNK, 1 << 30), Options(pin=Switch.AUTO, prefault=True)
+    )
     store = TieredStore([tier], io_threads=1)
     rng = np.random.default_rng(0)
     big = np.empty(1 << 30, dtype=np.uint8)

@@ -45,7 +45,7 @@ import numpy as np
 
 from kvtier.bench.common import envelope, write_json
 from kvtier.keys import ChunkKey
-from kvtier.tiers.base import SlotRun
+from kvtier.tiers.base import SlotRun, TierGeometry
 
 MiB = 1 << 20
 PAR = 4  # parallel dd streams of the second baseline: the tier's io_threads
@@ -101,7 +101,7 @@ def _tier(root: Path, name: str, capacity: int, slot: int, engine: str, **opts: 
     d = root / name
     d.mkdir(exist_ok=True)
     return NVMeTier(
-        name, capacity, slot, 1 << 40, Options(dir=str(d), engine=EngineKind(engine), **opts)
+        TierGeometry(name, capacity, slot, 1 << 40), Options(dir=str(d), engine=EngineKind(engine), **opts)
     )
 
 

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.tiers.base import TierGeometry
+
 MiB = 1 << 20
 
 
@@ -152,14 +154,14 @@ def main(argv: list[str]) -> int:
         if dev != "cuda":
             raise RuntimeError("dry run without CUDA")
         tiers["kvikio"] = NVMeTier(
-            "kv", cap, slot, 1 << 40, Options(dir=str(root / "kv"), engine=EngineKind.KVIKIO)
+            TierGeometry("kv", cap, slot, 1 << 40), Options(dir=str(root / "kv"), engine=EngineKind.KVIKIO)
         )
         env["engine_compat_mode"] = tiers["kvikio"].engine.compat_mode
         env["engine_gds_available"] = tiers["kvikio"].engine.gds_available
     except Exception as exc:
         errors.append(f"kvikio tier: {type(exc).__name__}: {exc}")
     tiers["posix"] = NVMeTier(
-        "px", cap, slot, 1 << 40, Options(dir=str(root / "px"), engine=EngineKind.POSIX)
+        TierGeometry("px", cap, slot, 1 << 40), Options(dir=str(root / "px"), engine=EngineKind.POSIX)
     )
     env["posix_direct"] = all(tiers["posix"].engine.direct)
     env["forced_gds_probe"] = (

@@ -38,7 +38,7 @@ import numpy as np
 from kvtier.bench.common import Sample, envelope, interleaved, write_json
 from kvtier.keys import ChunkKey
 from kvtier.spec import preset
-from kvtier.tiers.base import SlotRun
+from kvtier.tiers.base import SlotRun, TierGeometry
 from kvtier.units import MiB
 
 STREAMS = [2]
@@ -107,7 +107,7 @@ class Target:
             key_prefix=f"bench-{uuid.uuid4().hex[:8]}", op_budget_s=120.0, write_budget_s=120.0,
             socket_timeout_s=60.0, batch_bytes=BATCH_BYTES[0], streams_per_node=STREAMS[0],
         )
-        return RedisTier("redis", 2 * n * slot_bytes, slot_bytes, 1 << 40, opts)
+        return RedisTier(TierGeometry("redis", 2 * n * slot_bytes, slot_bytes, 1 << 40), opts)
 
     def flush(self) -> None:
         for c in self.nodes:

@@ -28,6 +28,7 @@ from kvtier.errors import InputError
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
 from kvtier.store.policy import EvictionFactory, PlacementPolicy, WriteThrough, eviction_factory
+from kvtier.tiers.base import TierGeometry
 from kvtier.tiers.meta import MetaTier
 
 from .eviction import CostAwareEviction
@@ -180,8 +181,8 @@ def build(
             continue
         specs.append(spec)
         caps.append(slots * chunk_bytes)
-        tiers.append(MetaTier(spec.name, slots * STAND_IN_BYTES, STAND_IN_BYTES,
-                              1 << 40, spec.to_tier_profile()))
+        geometry = TierGeometry(spec.name, slots * STAND_IN_BYTES, STAND_IN_BYTES, 1 << 40)
+        tiers.append(MetaTier(geometry, spec.to_tier_profile()))
     if not tiers:
         raise InputError("no tier has room for one chunk of "
                          f"{chunk_bytes} B; raise the capacities")

@@ -23,7 +23,7 @@ from kvtier.config import build_dataclass
 from kvtier.enums import Switch
 from kvtier.errors import KVTierError
 from kvtier.store import TieredStore
-from kvtier.tiers.base import Tier, TierSection
+from kvtier.tiers.base import Tier, TierGeometry, TierSection
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.host import Options as HostOptions
 from kvtier.tiers.registry import BUILTIN_KINDS, create_tier
@@ -65,7 +65,7 @@ def _lower_tier(kind: str, cap_bytes: int, slot: int, workdir: Path) -> tuple[Ti
     from kvtier.tiers.cxl import Options as CXLOptions
 
     opts_cxl = CXLOptions(emulate=Switch.ON, latency_us=1.0, bandwidth_gbps=100.0)
-    return CXLTier("cxl", cap_bytes, slot, MAX_EXTENT, opts_cxl), "cxl (emulated)"
+    return CXLTier(TierGeometry("cxl", cap_bytes, slot, MAX_EXTENT), opts_cxl), "cxl (emulated)"
 
 
 def _value(block: int, salt: int, value_bytes: int) -> np.ndarray:
@@ -92,7 +92,7 @@ def validate(
     if len(slots) != 2 or min(slots) < 1:
         raise KVTierError(f"validation needs two tiers with room, got {slots} chunks")
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        host = HostTier("host", slots[0] * value_bytes, value_bytes, MAX_EXTENT,
+        host = HostTier(TierGeometry("host", slots[0] * value_bytes, value_bytes, MAX_EXTENT),
                         HostOptions(pin=Switch.OFF))
         lower, kind = _lower_tier(lower_kind, slots[1] * value_bytes, value_bytes, Path(tmp))
         now = [trace.requests[0].t_s]

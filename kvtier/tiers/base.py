@@ -54,6 +54,23 @@ class SlotRun:
 
 
 @dataclass(frozen=True, slots=True)
+class TierGeometry:
+    """Where a tier's slots come from; built once per tier by the registry.
+
+    Attributes:
+        name: the tier's name in stats and logs.
+        capacity_bytes: bytes the tier may hold (rounded down to whole slots).
+        slot_bytes: bytes of one chunk value; rounded up to :data:`SLOT_ALIGN`.
+        max_extent_bytes: the cap on one extent.
+    """
+
+    name: str
+    capacity_bytes: int
+    slot_bytes: int
+    max_extent_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class TierSection:
     """One tier of the hierarchy, top (fastest) first in ``KVTierConfig.tiers``."""
 
@@ -131,10 +148,8 @@ class Tier(ABC):
     never reads or writes a run it has not allocated.
 
     Args:
-        name: the tier's name in stats and logs.
-        capacity_bytes: bytes the tier may hold (rounded down to whole slots).
-        slot_bytes: bytes of one chunk value; rounded up to :data:`SLOT_ALIGN`.
-        max_extent_bytes: the cap on one extent.
+        geometry: name, capacity, slot size and extent cap (see :class:`TierGeometry`).
+        profile: latency, bandwidth and price the placement reads.
     """
 
     kind: str = "abstract"
@@ -148,22 +163,20 @@ class Tier(ABC):
 
     def __init__(
         self,
-        name: str,
-        capacity_bytes: int,
-        slot_bytes: int,
-        max_extent_bytes: int,
+        geometry: TierGeometry,
         profile: TierProfile | None = None,
     ) -> None:
-        if slot_bytes < 1:
-            raise InputError(f"tier {name}: slot_bytes must be >= 1, got {slot_bytes}")
-        self.name = name
-        self.slot_bytes = align_up(slot_bytes, SLOT_ALIGN)
-        units = capacity_bytes // self.slot_bytes
+        g = geometry
+        if g.slot_bytes < 1:
+            raise InputError(f"tier {g.name}: slot_bytes must be >= 1, got {g.slot_bytes}")
+        self.name = g.name
+        self.slot_bytes = align_up(g.slot_bytes, SLOT_ALIGN)
+        units = g.capacity_bytes // self.slot_bytes
         if units < 1:
             raise InputError(
-                f"tier {name}: capacity {capacity_bytes} B holds no slot of {self.slot_bytes} B"
+                f"tier {g.name}: capacity {g.capacity_bytes} B holds no slot of {self.slot_bytes} B"
             )
-        max_order = max(0, (max_extent_bytes // self.slot_bytes).bit_length() - 1)
+        max_order = max(0, (g.max_extent_bytes // self.slot_bytes).bit_length() - 1)
         self.capacity_bytes = units * self.slot_bytes
         self.profile = profile or TierProfile()
         self._alloc = BuddyAllocator(units, max_order)

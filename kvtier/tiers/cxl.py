@@ -17,7 +17,7 @@ from typing_extensions import override
 from kvtier.enums import Switch
 from kvtier.errors import ConfigError
 from kvtier.tiers import numa
-from kvtier.tiers.base import SlotRun, TierProfile, TierSection
+from kvtier.tiers.base import SlotRun, TierGeometry, TierProfile, TierSection
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.host import Options as HostOptions
 
@@ -47,10 +47,7 @@ class CXLTier(HostTier):
 
     def __init__(
         self,
-        name: str,
-        capacity_bytes: int,
-        slot_bytes: int,
-        max_extent_bytes: int,
+        geometry: TierGeometry,
         options: Options,
     ) -> None:
         node = options.numa_node
@@ -59,23 +56,25 @@ class CXLTier(HostTier):
             node = found[0].node_id if found else None
         if node is None and options.emulate is Switch.OFF:
             raise ConfigError(
-                f"tiers.{name}.emulate", "off", "'auto' or 'on': no CPU-less NUMA node here"
+                f"tiers.{geometry.name}.emulate",
+                "off",
+                "'auto' or 'on': no CPU-less NUMA node here",
             )
         self.emulated = options.emulate is Switch.ON or node is None
         self._latency_s = options.latency_us * 1e-6
         self._bandwidth_Bps = options.bandwidth_gbps * 1e9
         profile = TierProfile(self._latency_s, self._bandwidth_Bps, cost_per_gb_month=1.6)
         host_opts = HostOptions(numa_node=None if self.emulated else node, pin=options.pin)
-        super().__init__(name, capacity_bytes, slot_bytes, max_extent_bytes, host_opts, profile)
+        super().__init__(geometry, host_opts, profile)
         if self.emulated:
             log.warning(
                 "tier %s: no CXL memory in use; EMULATED with %.2f us latency and %.1f GB/s",
-                name,
+                geometry.name,
                 options.latency_us,
                 options.bandwidth_gbps,
             )
         else:
-            log.info("tier %s: CXL memory on NUMA node %s", name, node)
+            log.info("tier %s: CXL memory on NUMA node %s", geometry.name, node)
 
     def _throttle(self, nbytes: int, started: float) -> None:
         if self.emulated:
@@ -97,7 +96,5 @@ class CXLTier(HostTier):
         self._throttle(run.nbytes, t0)
 
 
-def create(section: TierSection, slot_bytes: int, max_extent_bytes: int) -> CXLTier:
-    return CXLTier(
-        section.name, section.capacity_bytes, slot_bytes, max_extent_bytes, section.options
-    )
+def create(section: TierSection, geometry: TierGeometry) -> CXLTier:
+    return CXLTier(geometry, section.options)

@@ -12,7 +12,7 @@ from typing import Any
 from typing_extensions import override
 
 from kvtier.errors import TierUnavailableError
-from kvtier.tiers.base import SlotRun, Tier, TierProfile, TierSection
+from kvtier.tiers.base import SlotRun, Tier, TierGeometry, TierProfile, TierSection
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,22 +41,16 @@ class GPUTier(Tier):
 
     def __init__(
         self,
-        name: str,
-        capacity_bytes: int,
-        slot_bytes: int,
-        max_extent_bytes: int,
+        geometry: TierGeometry,
         options: Options,
     ) -> None:
         ok, why = cuda_available()
         if not ok:
-            raise TierUnavailableError(f"gpu tier {name!r} needs CUDA: {why}")
+            raise TierUnavailableError(f"gpu tier {geometry.name!r} needs CUDA: {why}")
         import torch
 
         super().__init__(
-            name,
-            capacity_bytes,
-            slot_bytes,
-            max_extent_bytes,
+            geometry,
             TierProfile(latency_s=1e-6, bandwidth_Bps=2e12, cost_per_gb_month=60.0),
         )
         self._torch = torch
@@ -85,7 +79,5 @@ class GPUTier(Tier):
         self.arena = self._torch.empty(0, dtype=self._torch.uint8)
 
 
-def create(section: TierSection, slot_bytes: int, max_extent_bytes: int) -> GPUTier:
-    return GPUTier(
-        section.name, section.capacity_bytes, slot_bytes, max_extent_bytes, section.options
-    )
+def create(section: TierSection, geometry: TierGeometry) -> GPUTier:
+    return GPUTier(geometry, section.options)

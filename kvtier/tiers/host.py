@@ -10,7 +10,7 @@ import numpy as np
 from typing_extensions import override
 
 from kvtier.enums import Switch
-from kvtier.tiers.base import SlotRun, Tier, TierProfile, TierSection
+from kvtier.tiers.base import SlotRun, Tier, TierGeometry, TierProfile, TierSection
 from kvtier.tiers.memory import SharedArena
 
 
@@ -96,19 +96,16 @@ class HostTier(Tier):
 
     def __init__(
         self,
-        name: str,
-        capacity_bytes: int,
-        slot_bytes: int,
-        max_extent_bytes: int,
+        geometry: TierGeometry,
         options: Options | None = None,
         profile: TierProfile | None = None,
     ) -> None:
-        super().__init__(name, capacity_bytes, slot_bytes, max_extent_bytes, profile)
+        super().__init__(geometry, profile)
         opts = options or Options()
         self._copy_threads = max(1, opts.copy_threads)
         self.arena = SharedArena(
             self.capacity_bytes,
-            name,
+            self.name,
             numa_node=opts.numa_node,
             pin=opts.pin,
             prefault=opts.prefault,
@@ -136,12 +133,5 @@ class HostTier(Tier):
 HOST_PROFILE = TierProfile(latency_s=2e-6, bandwidth_Bps=50e9, cost_per_gb_month=2.5)
 
 
-def create(section: TierSection, slot_bytes: int, max_extent_bytes: int) -> HostTier:
-    return HostTier(
-        section.name,
-        section.capacity_bytes,
-        slot_bytes,
-        max_extent_bytes,
-        section.options,
-        HOST_PROFILE,
-    )
+def create(section: TierSection, geometry: TierGeometry) -> HostTier:
+    return HostTier(geometry, section.options, HOST_PROFILE)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from typing_extensions import override
 
-from kvtier.tiers.base import SlotRun, Tier, TierProfile, TierSection
+from kvtier.tiers.base import SlotRun, Tier, TierGeometry, TierProfile, TierSection
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class MetaTier(Tier):
         pass  # no bytes to return; callers of a simulation never use the buffer
 
 
-def create(section: TierSection, slot_bytes: int, max_extent_bytes: int) -> MetaTier:
+def create(section: TierSection, geometry: TierGeometry) -> MetaTier:
     opts: Options = section.options
     log.warning("tier %s: kind 'meta' stores no bytes; use it for simulation only", section.name)
     profile = TierProfile(
@@ -60,4 +60,4 @@ def create(section: TierSection, slot_bytes: int, max_extent_bytes: int) -> Meta
         cost_per_gb_month=opts.cost_per_gb_month,
         endurance_dwpd=opts.endurance_dwpd,
     )
-    return MetaTier(section.name, section.capacity_bytes, slot_bytes, max_extent_bytes, profile)
+    return MetaTier(geometry, profile)

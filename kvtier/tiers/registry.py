@@ -1,7 +1,7 @@
 """Tier kinds: a table from kind name to the module that implements it.
 
 Each module exposes ``Options`` (a frozen dataclass: the kind's config section) and
-``create(section, slot_bytes, max_extent_bytes) -> Tier``. Modules import lazily, so a
+``create(section, geometry) -> Tier``. Modules import lazily, so a
 kind's heavy dependencies (torch, redis, kvikio) load only when the kind is configured.
 The table is :data:`kvtier.plugins.BUILTIN`; third-party kinds register through the
 ``kvtier.tiers`` entry-point group.
@@ -13,6 +13,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
 from kvtier import plugins
+from kvtier.tiers.base import TierGeometry
 
 if TYPE_CHECKING:
     from kvtier.tiers.base import Tier, TierSection
@@ -41,6 +42,7 @@ def is_shared_kind(kind: str) -> bool:
 
 
 def create_tier(section: TierSection, slot_bytes: int, max_extent_bytes: int) -> Tier:
-    """Build the tier a config section describes."""
-    tier: Tier = _module(section.kind, "tiers").create(section, slot_bytes, max_extent_bytes)
+    """Build the tier a config section describes, at the store's slot size and extent cap."""
+    geometry = TierGeometry(section.name, section.capacity_bytes, slot_bytes, max_extent_bytes)
+    tier: Tier = _module(section.kind, "tiers").create(section, geometry)
     return tier

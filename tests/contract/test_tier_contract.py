@@ -13,7 +13,7 @@ from kvtier.config import Switch
 from kvtier.errors import InputError
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
-from kvtier.tiers.base import SlotRun, Tier
+from kvtier.tiers.base import SlotRun, Tier, TierGeometry
 from kvtier.tiers.host import HostTier, Options
 from tests.contract.tiers import TIER_FACTORIES
 
@@ -158,7 +158,7 @@ def test_store_over_tier_as_only_tier(make_tier) -> None:
 
 def test_store_demotes_into_tier_intact(make_tier) -> None:
     lower = make_tier()
-    top = HostTier("top", 8 * SLOT, SLOT, 1 << 30, Options(pin=Switch.OFF))
+    top = HostTier(TierGeometry("top", 8 * SLOT, SLOT, 1 << 30), Options(pin=Switch.OFF))
     with TieredStore([top, lower], io_threads=2, promote_on_hit=False) as store:
         keys = [key(i) for i in range(40)]
         data = rand(40 * SLOT, 6)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.config import Switch
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import Tier, TierGeometry
 
 TierFactory = Callable[[Path, int, int], Tier]
 
@@ -23,14 +23,14 @@ MAX_EXTENT = 1 << 30
 def host(tmp: Path, slot: int, cap: int) -> Tier:
     from kvtier.tiers.host import HostTier, Options
 
-    return HostTier("host", cap, slot, MAX_EXTENT, Options(pin=Switch.OFF))
+    return HostTier(TierGeometry("host", cap, slot, MAX_EXTENT), Options(pin=Switch.OFF))
 
 
 def cxl_emulated(tmp: Path, slot: int, cap: int) -> Tier:
     from kvtier.tiers.cxl import CXLTier, Options
 
     # Fast emulated profile so the suite stays quick; the throttle path still runs.
-    return CXLTier("cxl", cap, slot, MAX_EXTENT, Options(emulate=Switch.ON, latency_us=1.0, bandwidth_gbps=200.0, pin=Switch.OFF))
+    return CXLTier(TierGeometry("cxl", cap, slot, MAX_EXTENT), Options(emulate=Switch.ON, latency_us=1.0, bandwidth_gbps=200.0, pin=Switch.OFF))
 
 
 def gpu(tmp: Path, slot: int, cap: int) -> Tier:
@@ -39,7 +39,7 @@ def gpu(tmp: Path, slot: int, cap: int) -> Tier:
     ok, why = cuda_available()
     if not ok:
         pytest.skip(f"gpu tier needs CUDA: {why}")
-    return GPUTier("gpu", cap, slot, MAX_EXTENT, Options())
+    return GPUTier(TierGeometry("gpu", cap, slot, MAX_EXTENT), Options())
 
 
 def nvme_posix(tmp: Path, slot: int, cap: int) -> Tier:
@@ -48,7 +48,7 @@ def nvme_posix(tmp: Path, slot: int, cap: int) -> Tier:
 
     # tmp_path is on the real disk here; O_DIRECT falls back to buffered I/O (logged)
     # where the filesystem refuses it, and the contract holds either way.
-    return NVMeTier("nvme", cap, slot, MAX_EXTENT, Options(dir=str(tmp), engine=EngineKind.POSIX))
+    return NVMeTier(TierGeometry("nvme", cap, slot, MAX_EXTENT), Options(dir=str(tmp), engine=EngineKind.POSIX))
 
 
 def redis_single(tmp: Path, slot: int, cap: int) -> Tier:
@@ -58,7 +58,7 @@ def redis_single(tmp: Path, slot: int, cap: int) -> Tier:
     # One server for the session (tests/conftest.py stops it); a fresh key prefix per
     # tier keeps tests apart on it.
     srv = session_server()
-    return RedisTier("redis", cap, slot, MAX_EXTENT, Options(url=srv.url, key_prefix=_prefix()))
+    return RedisTier(TierGeometry("redis", cap, slot, MAX_EXTENT), Options(url=srv.url, key_prefix=_prefix()))
 
 
 def redis_cluster(tmp: Path, slot: int, cap: int) -> Tier:
@@ -67,7 +67,7 @@ def redis_cluster(tmp: Path, slot: int, cap: int) -> Tier:
 
     c = session_cluster()
     return RedisTier(
-        "redis-cluster", cap, slot, MAX_EXTENT, Options(cluster_nodes=c.seeds, key_prefix=_prefix())
+        TierGeometry("redis-cluster", cap, slot, MAX_EXTENT), Options(cluster_nodes=c.seeds, key_prefix=_prefix())
     )
 
 

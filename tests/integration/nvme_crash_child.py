@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kvtier.store import TieredStore
+from kvtier.tiers.base import TierGeometry
 from kvtier.tiers.nvme import Durability, EngineKind, Options
 from kvtier.tiers.nvme.tier import NVMeTier
 from tests.tiers.nvme.conftest import SLOT, key, values
@@ -34,7 +35,7 @@ def main() -> None:
         durability=durability,
         checkpoint_min_records=rng.choice([64, 256, 4096]),  # compactions happen mid-run
     )
-    tier = NVMeTier("nv", CAP_SLOTS * SLOT, SLOT, 1 << 30, opts)
+    tier = NVMeTier(TierGeometry("nv", CAP_SLOTS * SLOT, SLOT, 1 << 30), opts)
     store = TieredStore([tier], io_threads=3)
     print("READY", flush=True)
     live: deque[tuple[int, int]] = deque()

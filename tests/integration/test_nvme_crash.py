@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from kvtier.store import TieredStore
+from kvtier.tiers.base import TierGeometry
 from kvtier.tiers.nvme import Durability, EngineKind, Options
 from kvtier.tiers.nvme.tier import NVMeTier
 from tests.tiers.nvme.conftest import SLOT, VALUE, key, value
@@ -79,10 +80,7 @@ class Child:
 def _verify(directory: Path, candidates: set[int]) -> tuple[set[int], int]:
     """Reopen; return the ids present (each verified byte for byte) and the chunk count."""
     tier = NVMeTier(
-        "nv",
-        2048 * SLOT,
-        SLOT,
-        1 << 30,
+        TierGeometry("nv", 2048 * SLOT, SLOT, 1 << 30),
         Options(dir=str(directory), engine=EngineKind.POSIX, durability=Durability.SYNC),
     )
     with TieredStore([tier], io_threads=2, promote_on_hit=False) as store:

@@ -25,6 +25,7 @@ import pytest
 
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
+from kvtier.tiers.base import TierGeometry
 from kvtier.tiers.redis import Options, RedisTier
 from tests.redis_servers import RedisClusterProcs, RedisServer
 
@@ -47,7 +48,7 @@ def redis_store(prefix: str, cap_slots: int = 512, **opts: object) -> TieredStor
     o = {"op_budget_s": 1.0, "connect_timeout_s": 0.2, "backoff_min_s": 0.02, "backoff_max_s": 0.2}
     o.update(opts)
     options = Options(key_prefix=prefix, **o)  # type: ignore[arg-type]
-    tier = RedisTier("redis", cap_slots * SLOT, SLOT, 1 << 30, options)
+    tier = RedisTier(TierGeometry("redis", cap_slots * SLOT, SLOT, 1 << 30), options)
     return TieredStore([tier], io_threads=2, promote_on_hit=False)
 
 

@@ -9,6 +9,7 @@ from kvtier.keys import ChunkKey
 from kvtier.policies.eviction import ARCEviction, CostAwareEviction
 from kvtier.store import TieredStore
 from kvtier.store.policy import eviction_factory
+from kvtier.tiers.base import TierGeometry
 from kvtier.tiers.host import HostTier, Options
 
 
@@ -88,7 +89,7 @@ def test_cost_aware_ages_out_old_hits() -> None:
 def test_store_with_each_policy_serves_a_workload() -> None:
     value = 4096
     for name in ("arc", "cost"):
-        tier = HostTier("host", 16 * value, value, 1 << 20, Options(pin=Switch.OFF))
+        tier = HostTier(TierGeometry("host", 16 * value, value, 1 << 20), Options(pin=Switch.OFF))
         with TieredStore([tier], eviction=eviction_factory(name), io_threads=1) as store:
             for r in range(20):
                 keys = [key(r % 5), key(100 + r)]

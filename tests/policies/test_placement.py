@@ -18,6 +18,7 @@ from kvtier.policies.profiles import DDR5_HOST, NVME_GEN5_TLC
 from kvtier.policies.reuse import ReuseTracker
 from kvtier.store import TieredStore
 from kvtier.store.policy import LRUEviction
+from kvtier.tiers.base import TierGeometry
 from kvtier.tiers.host import HostTier, Options
 
 VALUE = 4096
@@ -39,8 +40,8 @@ class Clock:
 def make_store(host_slots: int, ssd_slots: int, budget_bytes_per_window: float, clock: Clock,
                eviction=LRUEviction, window_s: float = 600.0):
     """A real two-tier store: host DRAM over a second host arena priced as an SSD."""
-    host = HostTier("host", host_slots * VALUE, VALUE, MAX_EXTENT, Options(pin=Switch.OFF))
-    ssd = HostTier("ssd", ssd_slots * VALUE, VALUE, MAX_EXTENT, Options(pin=Switch.OFF))
+    host = HostTier(TierGeometry("host", host_slots * VALUE, VALUE, MAX_EXTENT), Options(pin=Switch.OFF))
+    ssd = HostTier(TierGeometry("ssd", ssd_slots * VALUE, VALUE, MAX_EXTENT), Options(pin=Switch.OFF))
     econ = Economics(chunk_bytes=VALUE, recompute_s=1.0, value_per_s=1.0, window_s=window_s)
     budget = WriteBudget(budget_bytes_per_window * 86400.0 / window_s, window_s=window_s,
                          clock=clock)
@@ -192,8 +193,8 @@ def test_placement_for_live_tiers_budgets_the_ssd_only() -> None:
     from kvtier.tiers.meta import MetaTier
 
     ssd_profile = TierProfile(80e-6, 14e9, 0.0025, endurance_dwpd=1.0)
-    tiers = [MetaTier("host", 64 * VALUE, VALUE, MAX_EXTENT),
-             MetaTier("ssd", 64 * VALUE, VALUE, MAX_EXTENT, ssd_profile)]
+    tiers = [MetaTier(TierGeometry("host", 64 * VALUE, VALUE, MAX_EXTENT)),
+             MetaTier(TierGeometry("ssd", 64 * VALUE, VALUE, MAX_EXTENT), ssd_profile)]
     p = placement_for_tiers(tiers, PRESETS["llama-3-8b"], 256)
     assert set(p.budgets) == {1}
     with TieredStore(tiers, placement=p, io_threads=0) as store:

@@ -17,6 +17,7 @@ from kvtier.config import Switch
 from kvtier.keys import ChunkKey
 from kvtier.store import StoreEvent, TieredStore
 from kvtier.store.policy import PlacementPolicy
+from kvtier.tiers.base import TierGeometry
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.host import Options as HostOptions
 from kvtier.tiers.nvme import EngineKind
@@ -35,12 +36,13 @@ def value(i: int) -> np.ndarray:
 
 
 def host(slots: int) -> HostTier:
-    return HostTier("host", slots * SLOT, SLOT, 1 << 20, HostOptions(pin=Switch.OFF))
+    return HostTier(TierGeometry("host", slots * SLOT, SLOT, 1 << 20), HostOptions(pin=Switch.OFF))
 
 
 def nvme(d: Path, slots: int) -> NVMeTier:
     return NVMeTier(
-        "nvme", slots * SLOT, SLOT, 1 << 20, NVMeOptions(dir=str(d), engine=EngineKind.POSIX)
+        TierGeometry("nvme", slots * SLOT, SLOT, 1 << 20),
+        NVMeOptions(dir=str(d), engine=EngineKind.POSIX),
     )
 
 

@@ -18,7 +18,7 @@ from typing_extensions import override
 from kvtier.config import Switch
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
-from kvtier.tiers.base import SlotRun, Tier
+from kvtier.tiers.base import SlotRun, Tier, TierGeometry
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.host import Options as HostOptions
 from tests.redis_servers import RedisServer
@@ -41,7 +41,7 @@ class DictShared(Tier):
     shared = True
 
     def __init__(self, medium: dict[bytes, bytes], capacity_slots: int) -> None:
-        super().__init__("shared", capacity_slots * SLOT, SLOT, 1 << 30)
+        super().__init__(TierGeometry("shared", capacity_slots * SLOT, SLOT, 1 << 30))
         self.medium = medium
 
     @override
@@ -74,7 +74,7 @@ class DictShared(Tier):
 
 
 def host(slots: int) -> HostTier:
-    return HostTier("host", slots * SLOT, SLOT, 1 << 30, HostOptions(pin=Switch.OFF))
+    return HostTier(TierGeometry("host", slots * SLOT, SLOT, 1 << 30), HostOptions(pin=Switch.OFF))
 
 
 def test_lookup_adopts_what_another_store_wrote() -> None:
@@ -173,7 +173,7 @@ def redis_pair(redis_server: RedisServer) -> Iterator[tuple[TieredStore, TieredS
 
     def store() -> TieredStore:
         opts = Options(url=redis_server.url, key_prefix=prefix)
-        r = RedisTier("redis", 1024 * SLOT, SLOT, 1 << 30, opts)
+        r = RedisTier(TierGeometry("redis", 1024 * SLOT, SLOT, 1 << 30), opts)
         return TieredStore([host(8), r], promote_on_hit=False)
 
     a, b = store(), store()

@@ -12,7 +12,7 @@ from kvtier.config import Switch
 from kvtier.errors import ClosedError, InputError, TierIOError
 from kvtier.keys import ChunkKey
 from kvtier.store import EventKind, StoreEvent, TieredStore
-from kvtier.tiers.base import SlotRun
+from kvtier.tiers.base import SlotRun, TierGeometry
 from kvtier.tiers.host import HostTier, Options
 
 SLOT = 8192
@@ -23,7 +23,9 @@ def key(i: int) -> ChunkKey:
 
 
 def host(name: str, slots: int) -> HostTier:
-    return HostTier(name, slots * SLOT, SLOT, 1 << 20, Options(pin=Switch.OFF, prefault=False))
+    return HostTier(
+        TierGeometry(name, slots * SLOT, SLOT, 1 << 20), Options(pin=Switch.OFF, prefault=False)
+    )
 
 
 def rand(n: int, seed: int = 0) -> np.ndarray:
@@ -141,7 +143,9 @@ class FlakyTier(HostTier):
 
 
 def test_failing_tier_read_is_a_miss_not_an_exception() -> None:
-    flaky = FlakyTier("flaky", 8 * SLOT, SLOT, 1 << 20, Options(pin=Switch.OFF, prefault=False))
+    flaky = FlakyTier(
+        TierGeometry("flaky", 8 * SLOT, SLOT, 1 << 20), Options(pin=Switch.OFF, prefault=False)
+    )
     with TieredStore([flaky], io_threads=1) as store:
         ks = [key(i) for i in range(4)]
         store.put(ks, rand(4 * SLOT)).result()

@@ -9,6 +9,7 @@ import numpy as np
 from kvtier.config import Switch
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
+from kvtier.tiers.base import TierGeometry
 from kvtier.tiers.host import HostTier, Options
 
 VALUE = 4096
@@ -20,8 +21,8 @@ def key(i: int) -> ChunkKey:
 
 def run(io_threads: int) -> tuple[list[int], tuple[tuple[str, int], ...], set[str]]:
     threads: set[str] = set()
-    tiers = [HostTier("a", 4 * VALUE, VALUE, 1 << 20, Options(pin=Switch.OFF)),
-             HostTier("b", 8 * VALUE, VALUE, 1 << 20, Options(pin=Switch.OFF))]
+    tiers = [HostTier(TierGeometry("a", 4 * VALUE, VALUE, 1 << 20), Options(pin=Switch.OFF)),
+             HostTier(TierGeometry("b", 8 * VALUE, VALUE, 1 << 20), Options(pin=Switch.OFF))]
     hits = []
     with TieredStore(tiers, io_threads=io_threads) as store:
         store.add_listener(lambda ev: threads.add(threading.current_thread().name))

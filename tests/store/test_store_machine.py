@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvtier.config import Switch
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
+from kvtier.tiers.base import TierGeometry
 from kvtier.tiers.cxl import CXLTier
 from kvtier.tiers.cxl import Options as CXLOptions
 from kvtier.tiers.host import HostTier, Options
@@ -34,8 +35,8 @@ class StoreMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        top = HostTier("top", 6 * SLOT, SLOT, 1 << 20, Options(pin=Switch.OFF, prefault=False))
-        low = CXLTier("low", 10 * SLOT, SLOT, 1 << 20,
+        top = HostTier(TierGeometry("top", 6 * SLOT, SLOT, 1 << 20), Options(pin=Switch.OFF, prefault=False))
+        low = CXLTier(TierGeometry("low", 10 * SLOT, SLOT, 1 << 20),
                       CXLOptions(emulate=Switch.ON, latency_us=0.0, bandwidth_gbps=1000.0, pin=Switch.OFF))
         self.store = TieredStore([top, low], io_threads=3)
         self.written: dict[int, int] = {}  # key id -> value length

@@ -13,7 +13,7 @@ from kvtier.config import Switch
 from kvtier.errors import ConfigError, TierUnavailableError
 from kvtier.keys import ChunkKey
 from kvtier.tiers import numa
-from kvtier.tiers.base import SlotRun
+from kvtier.tiers.base import SlotRun, TierGeometry
 from kvtier.tiers.cxl import CXLTier
 from kvtier.tiers.cxl import Options as CXLOptions
 from kvtier.tiers.host import HostTier, Options
@@ -22,7 +22,7 @@ SLOT = 4096
 
 
 def test_host_arena_is_mappable_by_another_process() -> None:
-    tier = HostTier("h", 16 * SLOT, SLOT, 1 << 20, Options(pin=Switch.OFF))
+    tier = HostTier(TierGeometry("h", 16 * SLOT, SLOT, 1 << 20), Options(pin=Switch.OFF))
     try:
         data = np.random.default_rng(1).integers(0, 256, size=SLOT, dtype=np.uint8)
         (e,) = tier.allocate(1)
@@ -46,10 +46,10 @@ def test_bind_to_an_existing_node_and_refuse_a_missing_one() -> None:
     nodes = numa.numa_nodes()
     if not nodes:
         pytest.skip("sysfs reports no NUMA nodes on this machine")
-    tier = HostTier("h", 8 * SLOT, SLOT, 1 << 20, Options(numa_node=nodes[0].node_id, pin=Switch.OFF))
+    tier = HostTier(TierGeometry("h", 8 * SLOT, SLOT, 1 << 20), Options(numa_node=nodes[0].node_id, pin=Switch.OFF))
     tier.close()
     with pytest.raises(TierUnavailableError, match="does not exist"):
-        HostTier("h", 8 * SLOT, SLOT, 1 << 20, Options(numa_node=999, pin=Switch.OFF))
+        HostTier(TierGeometry("h", 8 * SLOT, SLOT, 1 << 20), Options(numa_node=999, pin=Switch.OFF))
 
 
 def _fake_node(root: Path, node: int, cpus: str, mem_kb: int) -> None:
@@ -70,19 +70,19 @@ def test_cxl_candidates_are_cpuless_nodes_with_memory(tmp_path: Path) -> None:
 def test_cxl_without_hardware_is_emulated_or_refused() -> None:
     if numa.cxl_candidates():
         pytest.skip("this machine has a CPU-less NUMA node")
-    tier = CXLTier("c", 8 * SLOT, SLOT, 1 << 20, CXLOptions(pin=Switch.OFF))
+    tier = CXLTier(TierGeometry("c", 8 * SLOT, SLOT, 1 << 20), CXLOptions(pin=Switch.OFF))
     try:
         assert tier.emulated and tier.stats().emulated
     finally:
         tier.close()
     with pytest.raises(ConfigError, match="emulate"):
-        CXLTier("c", 8 * SLOT, SLOT, 1 << 20, CXLOptions(emulate=Switch.OFF, pin=Switch.OFF))
+        CXLTier(TierGeometry("c", 8 * SLOT, SLOT, 1 << 20), CXLOptions(emulate=Switch.OFF, pin=Switch.OFF))
 
 
 def test_emulated_cxl_injects_its_latency() -> None:
     # Behaviour, not timing: the throttle must sleep for the configured latency.
     slept: list[float] = []
-    tier = CXLTier("c", 8 * SLOT, SLOT, 1 << 20, CXLOptions(emulate=Switch.ON, latency_us=5000, pin=Switch.OFF))
+    tier = CXLTier(TierGeometry("c", 8 * SLOT, SLOT, 1 << 20), CXLOptions(emulate=Switch.ON, latency_us=5000, pin=Switch.OFF))
     try:
         import kvtier.tiers.cxl as cxl_mod
 
@@ -106,13 +106,15 @@ def test_arena_larger_than_shared_memory_is_refused_not_a_sigbus() -> None:
 
     too_big = shutil.disk_usage(SHM_DIR).free + (1 << 30)
     with pytest.raises(TierIOError, match="free"):
-        HostTier("huge", too_big, SLOT, 1 << 20, Options(pin=Switch.OFF))
+        HostTier(TierGeometry("huge", too_big, SLOT, 1 << 20), Options(pin=Switch.OFF))
 
 
 def test_process_exit_without_close_removes_its_arena() -> None:
     code = (
         "from kvtier.tiers.host import HostTier, Options; from kvtier.config import Switch;"
-        "t = HostTier('h', 1 << 20, 4096, 1 << 20, Options(pin=Switch.OFF)); print(t.shm_path)"
+        "from kvtier.tiers.base import TierGeometry;"
+        "t = HostTier(TierGeometry('h', 1 << 20, 4096, 1 << 20), Options(pin=Switch.OFF));"
+        "print(t.shm_path)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert not Path(out.stdout.strip()).exists()

@@ -7,13 +7,13 @@ import numpy as np
 from kvtier.config import load_config
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
-from kvtier.tiers.base import SlotRun
+from kvtier.tiers.base import SlotRun, TierGeometry
 from kvtier.tiers.meta import MetaTier
 from kvtier.tiers.registry import create_tier
 
 
 def test_counts_writes_and_reads_without_storing_bytes() -> None:
-    tier = MetaTier("m", 8 * 4096, 4096, 1 << 20)
+    tier = MetaTier(TierGeometry("m", 8 * 4096, 4096, 1 << 20))
     exts = tier.allocate(3)
     assert exts is not None and tier.free_slots == 5
     keys = tuple(ChunkKey(bytes([i]) * 16) for i in range(3))

@@ -18,7 +18,7 @@ from kvtier.enums import Switch
 from kvtier.tiers.nvme.journal import Durability
 
 if TYPE_CHECKING:
-    from kvtier.tiers.base import TierSection
+    from kvtier.tiers.base import TierGeometry, TierSection
     from kvtier.tiers.nvme.tier import NVMeTier
 
 
@@ -80,17 +80,10 @@ class Options:
     codec_min_ratio: float = 1.1
 
 
-def create(section: TierSection, slot_bytes: int, max_extent_bytes: int) -> NVMeTier:
+def create(section: TierSection, geometry: TierGeometry) -> NVMeTier:
     from kvtier.tiers.nvme.tier import NVME_PROFILE, NVMeTier
 
-    return NVMeTier(
-        section.name,
-        section.capacity_bytes,
-        slot_bytes,
-        max_extent_bytes,
-        section.options,
-        NVME_PROFILE,
-    )
+    return NVMeTier(geometry, section.options, NVME_PROFILE)
 
 
 __all__ = ["Codec", "Durability", "EngineKind", "Options", "create"]

@@ -51,7 +51,7 @@ from kvtier import codec as kvcodec
 from kvtier.enums import Switch
 from kvtier.errors import ClosedError, ConfigError, CorruptChunkError, TierIOError
 from kvtier.files import DIR_MODE, FILE_MODE, make_private, make_private_dirs
-from kvtier.tiers.base import SlotRun, Tier, TierFaults, TierProfile
+from kvtier.tiers.base import SlotRun, Tier, TierFaults, TierGeometry, TierProfile
 from kvtier.tiers.nvme import Codec, EngineKind, Options
 from kvtier.tiers.nvme.engine import PAGE, BufferPool, IOEngine, IORequest, is_aligned, make_engine
 from kvtier.tiers.nvme.journal import Durability, Entry, Geometry, Journal, Op
@@ -146,25 +146,22 @@ class NVMeTier(Tier):
 
     def __init__(
         self,
-        name: str,
-        capacity_bytes: int,
-        slot_bytes: int,
-        max_extent_bytes: int,
+        geometry: TierGeometry,
         options: Options | None = None,
         profile: TierProfile | None = None,
         *,
         engine: IOEngine | None = None,
     ) -> None:
-        super().__init__(
-            name, capacity_bytes, slot_bytes, max_extent_bytes, profile or NVME_PROFILE
-        )
+        super().__init__(geometry, profile or NVME_PROFILE)
         opts = options or Options()
         self.options = opts
         if opts.io_threads < 1 or opts.io_piece_bytes < PAGE:
             raise ConfigError(
-                f"tiers.{name}.io_threads", opts.io_threads, ">= 1, with io_piece_bytes >= 4KiB"
+                f"tiers.{self.name}.io_threads",
+                opts.io_threads,
+                ">= 1, with io_piece_bytes >= 4KiB",
             )
-        dirs = _dirs(name, opts)
+        dirs = _dirs(self.name, opts)
         self._bufs = BufferPool()
         self._meta: dict[int, Entry] = {}
         self._meta_lock = threading.Lock()
@@ -187,10 +184,10 @@ class NVMeTier(Tier):
         self._grow_lock = threading.Lock()
         try:
             self._open_slabs(dirs)
-            index_dir = dirs[0] / f"{name}.index"
+            index_dir = dirs[0] / f"{self.name}.index"
             index_dir.mkdir(mode=DIR_MODE, exist_ok=True)
             make_private(index_dir)
-            self._lock_fd = _lock_dir(index_dir, name)
+            self._lock_fd = _lock_dir(index_dir, self.name)
             self._journal = Journal(
                 index_dir,
                 Geometry(self.slot_bytes, self.capacity_slots),
@@ -205,7 +202,7 @@ class NVMeTier(Tier):
         except OSError as exc:
             self._close_files()
             raise ConfigError(
-                f"tiers.{name}.paths",
+                f"tiers.{self.name}.paths",
                 [str(d) for d in dirs],
                 f"writable slab and index files ({exc})",
             ) from exc

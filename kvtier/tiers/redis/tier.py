@@ -30,7 +30,7 @@ from typing_extensions import override
 
 from kvtier.errors import ConfigError, CorruptChunkError, PluginError, TierIOError
 from kvtier.keys import ChunkKey, Namespace
-from kvtier.tiers.base import SlotRun, Tier, TierFaults, TierProfile, TierSection
+from kvtier.tiers.base import SlotRun, Tier, TierFaults, TierGeometry, TierProfile, TierSection
 from kvtier.tiers.redis import wire
 from kvtier.tiers.redis.nodes import NodeHealth, Nodes, Op
 from kvtier.units import MiB
@@ -122,7 +122,7 @@ class RedisTier(Tier):
     run on the tier's own small pool.
 
     Args:
-        name, capacity_bytes, slot_bytes, max_extent_bytes: see :class:`Tier`;
+        geometry: see :class:`Tier`;
             ``capacity_bytes`` bounds what this process indexes, not Redis' memory.
         options: connection, budget and batching settings.
         namespace: the chunk keys' namespace (tenant, KV spec); also set by :meth:`bind`.
@@ -133,16 +133,13 @@ class RedisTier(Tier):
 
     def __init__(
         self,
-        name: str,
-        capacity_bytes: int,
-        slot_bytes: int,
-        max_extent_bytes: int,
+        geometry: TierGeometry,
         options: Options | None = None,
         profile: TierProfile | None = None,
         namespace: Namespace | None = None,
     ) -> None:
         profile = profile or REDIS_PROFILE
-        super().__init__(name, capacity_bytes, slot_bytes, max_extent_bytes, profile)
+        super().__init__(geometry, profile)
         self.options = opts = options or Options()
         self._nodes = Nodes(
             url=opts.url,
@@ -161,7 +158,7 @@ class RedisTier(Tier):
                 import lz4.block  # noqa: F401 - fail at start-up, not on the first put
             except ImportError as exc:
                 raise PluginError(
-                    f"tier {name}: codec lz4-shuffle needs lz4 (pip install 'kvtier[nvme]')"
+                    f"tier {self.name}: codec lz4-shuffle needs lz4 (pip install 'kvtier[nvme]')"
                 ) from exc
         self._closed = False
         self.bind(namespace or Namespace("", "unbound", 0))
@@ -357,7 +354,5 @@ def _batches(idx: list[int], item_bytes: int, batch_bytes: int) -> list[list[int
     return [idx[i : i + per] for i in range(0, len(idx), per)]
 
 
-def create(section: TierSection, slot_bytes: int, max_extent_bytes: int) -> RedisTier:
-    return RedisTier(
-        section.name, section.capacity_bytes, slot_bytes, max_extent_bytes, section.options
-    )
+def create(section: TierSection, geometry: TierGeometry) -> RedisTier:
+    return RedisTier(geometry, section.options)

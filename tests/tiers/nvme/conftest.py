@@ -11,6 +11,7 @@ import pytest
 
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
+from kvtier.tiers.base import TierGeometry
 from kvtier.tiers.nvme import EngineKind, Options
 from kvtier.tiers.nvme.tier import NVMeTier
 
@@ -45,7 +46,7 @@ def make_store(tmp_path: Path) -> Iterator[Callable[..., tuple[TieredStore, NVMe
         **opts: Any,
     ) -> tuple[TieredStore, NVMeTier]:
         o = Options(dir=str(directory or tmp_path), engine=EngineKind.POSIX, **opts)
-        tier = NVMeTier("nv", cap, slot, 1 << 30, o, engine=engine)
+        tier = NVMeTier(TierGeometry("nv", cap, slot, 1 << 30), o, engine=engine)
         store = TieredStore([tier], io_threads=2, promote_on_hit=False)
         opened.append(store)
         return store, tier

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.errors import ConfigError
+from kvtier.tiers.base import TierGeometry
 from kvtier.tiers.nvme import EngineKind, Options
 from kvtier.tiers.nvme.engine import IORequest, PosixEngine, libcuda_loads, make_engine
 from kvtier.tiers.nvme.tier import NVMeTier
@@ -34,7 +35,7 @@ def test_kvikio_where_it_cannot_run_is_a_config_error(tmp_path: Path) -> None:
         pytest.skip("kvikio is installed here")
     with pytest.raises(ConfigError, match="engine"):
         opts = Options(dir=str(tmp_path), engine=EngineKind.KVIKIO)
-        NVMeTier("nv", 1 << 20, 1 << 16, 1 << 30, opts)
+        NVMeTier(TierGeometry("nv", 1 << 20, 1 << 16, 1 << 30), opts)
 
 
 def test_engine_round_trip_and_short_read(tmp_path: Path) -> None:

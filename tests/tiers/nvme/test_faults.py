@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from kvtier.errors import ConfigError, NotDurableError
+from kvtier.tiers.base import TierGeometry
 from kvtier.tiers.nvme import Durability
 from kvtier.tiers.nvme.engine import PosixEngine
 from tests.tiers.nvme.conftest import SLOT, VALUE, get_all, key, values
@@ -107,10 +108,7 @@ def test_o_direct_required_but_refused_is_a_config_error(tmp_path: Path) -> None
 
     with pytest.raises(ConfigError, match="O_DIRECT"):
         NVMeTier(
-            "nv",
-            16 * SLOT,
-            SLOT,
-            1 << 30,
+            TierGeometry("nv", 16 * SLOT, SLOT, 1 << 30),
             Options(dir=str(tmp_path), engine=EngineKind.POSIX, o_direct=Switch.ON),
             engine=NoDirectEngine(),
         )
@@ -275,10 +273,7 @@ def test_slab_that_does_not_fit_is_a_config_error(small_fs: Path) -> None:
 
     with pytest.raises(ConfigError, match="fits"):
         NVMeTier(
-            "nv",
-            4 << 20,
-            SLOT,
-            1 << 30,
+            TierGeometry("nv", 4 << 20, SLOT, 1 << 30),
             Options(dir=str(small_fs), engine=EngineKind.POSIX, preallocate=True),
         )
 

@@ -16,7 +16,7 @@ import pytest
 from kvtier.config import load_config
 from kvtier.errors import ConfigError, CorruptChunkError, TierIOError
 from kvtier.keys import ChunkKey, Namespace
-from kvtier.tiers.base import SlotRun
+from kvtier.tiers.base import SlotRun, TierGeometry
 from kvtier.tiers.redis import Options, RedisTier, wire
 from tests.redis_servers import RedisClusterProcs, RedisServer
 
@@ -42,7 +42,7 @@ def make(redis_server: RedisServer) -> Iterator[object]:
 
     def build(ns: Namespace = NS, **opts: object) -> RedisTier:
         o = Options(url=redis_server.url, key_prefix=prefix, **opts)  # type: ignore[arg-type]
-        t = RedisTier("redis", 256 * SLOT, SLOT, 1 << 30, o, namespace=ns)
+        t = RedisTier(TierGeometry("redis", 256 * SLOT, SLOT, 1 << 30), o, namespace=ns)
         made.append(t)
         return t
 
@@ -224,7 +224,7 @@ def test_unreachable_server_is_a_miss_not_an_exception() -> None:
     from tests.redis_servers import free_port
 
     tier = RedisTier(
-        "redis", 16 * SLOT, SLOT, 1 << 30,
+        TierGeometry("redis", 16 * SLOT, SLOT, 1 << 30),
         Options(url=f"redis://127.0.0.1:{free_port()}/0", op_budget_s=0.5, connect_timeout_s=0.2),
     )
     try:
@@ -266,14 +266,14 @@ def test_bad_options_fail_loudly(field: str, value: object) -> None:
 
 def test_bad_url_and_seeds_fail_loudly() -> None:
     with pytest.raises(ConfigError):
-        RedisTier("r", 16 * SLOT, SLOT, 1 << 30, Options(url="http://nope"))
+        RedisTier(TierGeometry("r", 16 * SLOT, SLOT, 1 << 30), Options(url="http://nope"))
     with pytest.raises(ConfigError):
-        RedisTier("r", 16 * SLOT, SLOT, 1 << 30, Options(cluster_nodes=("no-port",)))
+        RedisTier(TierGeometry("r", 16 * SLOT, SLOT, 1 << 30), Options(cluster_nodes=("no-port",)))
 
 
 def test_cluster_spreads_a_sequence_over_every_master(redis_cluster: RedisClusterProcs) -> None:
     tier = RedisTier(
-        "rc", 256 * SLOT, SLOT, 1 << 30,
+        TierGeometry("rc", 256 * SLOT, SLOT, 1 << 30),
         Options(cluster_nodes=redis_cluster.seeds, key_prefix=f"t-{uuid.uuid4().hex[:10]}"),
         namespace=NS,
     )
