@@ -206,8 +206,8 @@ class _Backend:
     config: Callable[[], dict[str, Any]]
     backend: str  # LMCache's name of the storage backend
     restart: Callable[[], None]
-    # Runs before the engine is destroyed: LMCache 0.5.6's redis connector hangs in
-    # close() while its server is up, so the redis-server is stopped first.
+    # Runs before the engine is destroyed (the redis row stops its server there: a
+    # restart of a memory backend; LMCache's redis connector may still hang in close()).
     before_close: Callable[[], None] = lambda: None
 
 
