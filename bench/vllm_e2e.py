@@ -2,6 +2,7 @@
 
     kvtier bench vllm_e2e --json out.json [--tokens 4096] [--repeat 5] [--layers 4] ...
     kvtier bench vllm_e2e --disagg --json out.json [--tokens 8192] [--repeat 3] ...
+    kvtier bench vllm_e2e --restart ...   (TTFT in a new engine process: vllm_restart.py)
 
 One engine with the kvtier connector (host tier). For each repeat, a fresh random
 prompt is sent twice with a fresh cache salt: the first run misses (vLLM computes the
@@ -40,6 +41,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -128,6 +130,11 @@ def _dlogprob(a: dict[int, float], b: dict[int, float]) -> float:
 
 
 def main(argv: list[str]) -> int:
+    if "--restart" in argv:  # two engine processes: see kvtier.bench.vllm_restart
+        from kvtier.bench.vllm_restart import main as restart_main
+
+        rc: int = restart_main(argv)
+        return rc
     a = _args(argv)
     if a.disagg:
         return run_disagg(a)
@@ -380,6 +387,7 @@ def run_disagg(a: argparse.Namespace) -> int:
 
     url, daemon = start_kvtier(tmp, "2GiB", max_value_bytes=kv_bytes_per_token * a.chunk_tokens)
     producer: Producer | None = None
+    finished = False
     try:
         producer = Producer(a, model, url, tmp / "producer.log")
         from vllm import LLM, SamplingParams
@@ -446,11 +454,14 @@ def run_disagg(a: argparse.Namespace) -> int:
 
         connector: Any = get_kv_transfer_group()
         consumer_totals: dict[str, float] = dict(connector.worker.totals())
+        finished = True
     finally:
         if producer is not None:
             producer.close()
         daemon.terminate()
         daemon.wait()
+        if finished:  # the model, the daemon's data; the logs stay when something failed
+            shutil.rmtree(tmp, ignore_errors=True)
 
     pairs = [h / c for h, c in zip(hit_s, cold_s, strict=True)]
     med_hit, med_cold = statistics.median(hit_s), statistics.median(cold_s)

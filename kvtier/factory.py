@@ -62,6 +62,7 @@ def build_store(
         clock: seconds, for the placement's reuse evidence and write budget (trace time
             when a trace is replayed); wall time when None.
     """
+    given_spec = spec
     spec = spec or spec_from_model(cfg.model)
     slot = chunk_bytes or spec.chunk_bytes(cfg.store.chunk_tokens)
     namespace = Namespace(cfg.model.name, spec.fingerprint, cfg.store.chunk_tokens, tenant)
@@ -76,10 +77,11 @@ def build_store(
         raise
     if placement is None:
         try:
-            # [placement] without a model of its own prices the store's [model].
-            settings = dataclasses.replace(
-                cfg.placement, model=cfg.placement.model or cfg.model.name
-            )
+            # [placement] without a model of its own prices the store's [model]; when the
+            # caller brings the geometry (the connector: [model] is ignored there), a model
+            # is assumed from that geometry instead.
+            own = cfg.model.name if given_spec is None else ""
+            settings = dataclasses.replace(cfg.placement, model=cfg.placement.model or own)
             extra = {} if clock is None else {"clock": clock}
             placement = placement_factory(cfg.store.placement)(
                 tiers, spec, cfg.store.chunk_tokens, settings=settings, **extra

@@ -27,6 +27,21 @@ log = logging.getLogger(__name__)
 _END = b"\r\n\r\n"
 
 
+def head_end(tail: bytes, data: bytes) -> int:
+    """Bytes of ``data`` that belong to a head whose previous read ended in ``tail`` (its
+    last 3 bytes), or -1 when the head does not end in ``data``.
+
+    No copy of ``data``: the first read of a PUT carries the head and up to 256 KiB of
+    its body, and the end marker is found near its start.
+    """
+    if tail:  # the end marker may straddle two reads
+        j = (tail + data[: len(_END) - 1]).find(_END)
+        if j >= 0:
+            return j + len(_END) - len(tail)
+    j = data.find(_END)
+    return j + len(_END) if j >= 0 else -1
+
+
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """HttpToolsProtocol that refuses large heads (431) and drops slow ones.
 
@@ -55,10 +70,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._in_head:
             if self._head_timer is None:
                 self._arm()
-            window = self._tail + data
-            end = window.find(_END)
-            self._head_bytes += (end + len(_END) - len(self._tail)) if end >= 0 else len(data)
-            self._tail = b"" if end >= 0 else window[-(len(_END) - 1) :]
+            end = head_end(self._tail, data)
+            self._head_bytes += end if end >= 0 else len(data)
+            self._tail = b"" if end >= 0 else (self._tail + data[-(len(_END) - 1) :])[-3:]
             if self._head_bytes > self.max_header_bytes:
                 self._refuse()
                 return

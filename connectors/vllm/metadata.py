@@ -20,6 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from .mirror import IndexUpdate
+
 
 @dataclass(frozen=True, slots=True)
 class LoadOp:
@@ -77,18 +79,25 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
         missing: logical keys a load did not find (evicted, or a tier failed).
         salts: daemon mode only: the rank-key salts of the workers (settings.rank_salt),
             so the scheduler side can ask the daemon for other engines' chunks.
+        index: embedded stores only: rank-key salt -> that rank's store index changes
+            (its start-up snapshot first), for the scheduler's mirror (mirror.py).
     """
 
     stored: dict[bytes, int] = field(default_factory=dict)
     failed: dict[bytes, int] = field(default_factory=dict)
     missing: set[bytes] = field(default_factory=set)
     salts: frozenset[bytes] = frozenset()
+    index: dict[bytes, IndexUpdate] = field(default_factory=dict)
 
     @override
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMeta)
         out = KVTierWorkerMeta(
-            dict(self.stored), dict(self.failed), set(self.missing), self.salts | other.salts
+            dict(self.stored),
+            dict(self.failed),
+            set(self.missing),
+            self.salts | other.salts,
+            {**self.index, **other.index},  # one entry per rank: salts differ
         )
         for k, n in other.stored.items():
             out.stored[k] = out.stored.get(k, 0) + n
@@ -98,7 +107,7 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
         return out
 
     def is_empty(self) -> bool:
-        return not (self.stored or self.failed or self.missing or self.salts)
+        return not (self.stored or self.failed or self.missing or self.salts or self.index)
 
 
 # Counters both sides report; all are sums over the interval and over workers.

@@ -1,9 +1,16 @@
 """The scheduler side of the connector (lives in vLLM's EngineCore process).
 
-It owns no bytes. It keeps a *mirror*: the set of logical chunk keys that every worker
-has confirmed stored (learned from :class:`KVTierWorkerMeta`), bounded LRU, and
-answers ``get_num_new_matched_tokens`` from it with no I/O and no side effect on the
-store. It plans loads and saves and ships them to the workers in
+It owns no bytes. It keeps a *mirror* of what the workers' stores hold and answers
+``get_num_new_matched_tokens`` from it with no I/O and no side effect on the store:
+
+* embedded stores: a :class:`~.mirror.StoreMirror`, one compact filter per rank, that
+  starts from what each worker's persistent tiers recovered and follows every store's
+  index through the events the workers forward (mirror.py), so a chunk that left every
+  tier leaves the mirror and a restarted engine finds what the last one stored;
+* daemon mode: a :class:`KeyMirror` of the logical keys the workers confirmed stored or
+  the daemon reported (bounded LRU; the daemon's evictions are not seen, a failed load
+  forgets a key), and the daemon is asked beyond it.
+ It plans loads and saves and ships them to the workers in
 :class:`KVTierMetadata`. See docs/architecture.md, "vLLM connector", for why the index
 is split this way.
 
@@ -27,6 +34,7 @@ from .metadata import (
     LoadOp,
     SaveOp,
 )
+from .mirror import StoreMirror
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -82,12 +90,23 @@ class KeyMirror:
     def discard(self, key: bytes) -> None:
         self._keys.pop(key, None)
 
+    # The interface SchedulerSide uses for either mirror (see StoreMirror).
+
+    def ready(self) -> bool:
+        return True
+
+    def confirm(self, key: bytes) -> None:
+        self.add(key)
+
+    def forget(self, key: bytes) -> None:
+        self.discard(key)
+
 
 def matched_chunks(
     keys: list[bytes],
     num_tokens: int,
     chunk_tokens: int,
-    mirror: KeyMirror,
+    mirror: KeyMirror | StoreMirror,
     pending: dict[bytes, Any],
 ) -> int | None:
     """Leading chunks of ``keys`` that can be loaded, or None to ask again later.
@@ -113,7 +132,7 @@ class SchedulerSide:
         shape: how chunks tile vLLM's blocks.
         world_size: workers that each hold their own store (TP x PP); a key is loadable
             once all of them confirmed it.
-        mirror_capacity: most keys the mirror lists.
+        mirror_capacity: most keys the daemon-mode mirror lists.
         remote: daemon mode: asks the shared daemon for chunks beyond the mirror (stored by
             other engines).
         role: vLLM's ``kv_role``: a producer never loads, a consumer never saves
@@ -121,9 +140,14 @@ class SchedulerSide:
         prefill_wait_s: longest wait for a prefill named in ``kv_transfer_params``.
     """
 
-    # Daemon mode: how long a request may wait for the workers' salts (they arrive with
-    # the first step's worker metadata) before it is looked up as a miss.
+    # How long a request may wait for the workers' salts and index snapshots (they
+    # arrive with the first step's worker metadata) before it is looked up as a miss.
     SALT_WAIT_S = 10.0
+    # How long a request that would load waits for the saves planned before it arrived
+    # to settle: their evictions reach the mirror with their confirmations, so the load
+    # is then planned on a picture that holds them (mirror.py). Bounded: a stuck save
+    # thread costs a failed load (a recompute), never a stuck request.
+    FENCE_WAIT_S = 5.0
 
     def __init__(
         self,
@@ -141,7 +165,9 @@ class SchedulerSide:
         self.block_size = shape.block_size
         self.blocks_per_chunk = shape.blocks_per_chunk
         self.world_size = world_size
-        self.mirror = KeyMirror(mirror_capacity)
+        self.mirror: KeyMirror | StoreMirror = (
+            KeyMirror(mirror_capacity) if remote is not None else StoreMirror(world_size)
+        )
         self.remote = remote
         self.role = role
         self.waits = PrefillWaits(prefill_wait_s, shared=remote is not None, role=role)
@@ -152,8 +178,13 @@ class SchedulerSide:
         # repeated misses on the daemon), except while the request waits for a named
         # prefill (one per PrefillWaits.POLL_S).
         self._remote_memo: dict[str, tuple[bytes, float]] = {}
-        # key -> [ranks confirmed, ranks failed], for saves in flight.
+        # key -> [ranks confirmed, ranks failed, step planned], for saves in flight.
         self._pending: dict[bytes, list[int]] = {}
+        # Steps counted by build_connector_meta; step -> its saves not yet settled.
+        self._step = 0
+        self._open_steps: dict[int, int] = {}
+        # req id -> (step, time) of its first lookup: the save fence (FENCE_WAIT_S).
+        self._arrived: dict[str, tuple[int, float]] = {}
         self._reqs: dict[str, _Req] = {}
         # req id -> (local prefix-cache hit, chunks matched), from the last lookup.
         self._lookup: dict[str, tuple[int, int]] = {}
@@ -189,6 +220,11 @@ class SchedulerSide:
             if self.remote is not None and n is not None and n < limit and self.remote.ready():
                 self._remote_hits(rid, keys[n:limit])
             return 0, False
+        arrived = self._arrived.get(rid)
+        if arrived is None:
+            arrived = self._arrived[rid] = (self._step, time.monotonic())
+        if not self.mirror.ready() and self._waiting_for_workers():
+            return None, False
         n = matched_chunks(keys, request.num_tokens, self.chunk_tokens, self.mirror, self._pending)
         if n is None:
             return None, False
@@ -202,12 +238,30 @@ class SchedulerSide:
             rid, handoff, keys, n, limit, time.monotonic()
         ):
             return None, False
+        if n > 0 and not self._fenced(arrived):
+            return None, False
         self.waits.settled(rid, n, limit)
         self._lookup[rid] = (num_computed_tokens, n)
         hit = n * self.chunk_tokens - num_computed_tokens
         # Loads are synchronous (before this step's forward): on a CPU engine the copy
         # from host memory takes far less than a step, and the request runs at once.
         return (hit, False) if hit > 0 else (0, False)
+
+    def _waiting_for_workers(self) -> bool:
+        """True while the workers' first metadata may still come (bounded wait)."""
+        # vLLM runs steps while a request waits, and the workers' salts and snapshots
+        # come with the first one; a silent worker only costs misses.
+        now = time.monotonic()
+        if self._salt_wait_since is None:
+            self._salt_wait_since = now
+        return now - self._salt_wait_since < self.SALT_WAIT_S
+
+    def _fenced(self, arrived: tuple[int, float]) -> bool:
+        """Whether the saves planned before the request arrived have all settled."""
+        step, since = arrived
+        if not self._open_steps or min(self._open_steps) >= step:
+            return True
+        return time.monotonic() - since >= self.FENCE_WAIT_S
 
     def _remote_hits(self, req_id: str, keys: list[bytes], repoll: bool = False) -> int | None:
         """Chunks the daemon holds beyond the mirror; None to ask again next step.
@@ -223,17 +277,11 @@ class SchedulerSide:
         if memo is not None and memo[0] == keys[-1] and fresh:
             return 0  # asked already: what it held is in the mirror now
         if not remote.ready():
-            # The workers' salts come with the first step's metadata (vLLM runs steps
-            # while a request waits); bounded, so a silent worker only costs misses.
-            if self._salt_wait_since is None:
-                self._salt_wait_since = now
-            if now - self._salt_wait_since < self.SALT_WAIT_S:
-                return None
-            return 0
+            return None if self._waiting_for_workers() else 0
         hits = remote.hits(keys)
         self._remote_memo[req_id] = (keys[-1], now)
         for key in keys[:hits]:
-            self.mirror.add(key)
+            self.mirror.confirm(key)
         return hits
 
     def update_state_after_alloc(
@@ -300,6 +348,7 @@ class SchedulerSide:
             st = self._reqs.get(rid)
             if st is not None:
                 self._plan_saves(st, n_sched, meta)
+        self._step += 1
         return meta
 
     def _plan_saves(self, st: _Req, n_sched: int, meta: KVTierMetadata) -> None:
@@ -327,7 +376,8 @@ class SchedulerSide:
                 continue
             keys.append(key)
             blocks.extend(st.block_ids[i * bpc : (i + 1) * bpc])
-            self._pending[key] = [0, 0]
+            self._pending[key] = [0, 0, self._step]
+            self._open_steps[self._step] = self._open_steps.get(self._step, 0) + 1
         st.next_chunk = n_full
         if keys:
             meta.saves.append(SaveOp(req.request_id, tuple(keys), tuple(blocks)))
@@ -340,6 +390,7 @@ class SchedulerSide:
         self._lookup.pop(rid, None)
         self._memo.pop(rid, None)
         self._remote_memo.pop(rid, None)
+        self._arrived.pop(rid, None)
         self.waits.forget(rid)
         params = self._handoff(st) if st is not None and self.role is Role.PRODUCER else None
         return (st is not None and st.had_saves), params
@@ -359,12 +410,15 @@ class SchedulerSide:
             return
         if self.remote is not None and worker_meta.salts:
             self.remote.salts |= worker_meta.salts
+        if worker_meta.index and isinstance(self.mirror, StoreMirror):
+            # Index changes first: a save's evictions then count before its confirmation.
+            self.mirror.apply(worker_meta.index)
         for key, n in worker_meta.stored.items():
             self._settle(key, n, 0)
         for key, n in worker_meta.failed.items():
             self._settle(key, 0, n)
         for key in worker_meta.missing:
-            self.mirror.discard(key)
+            self.mirror.forget(key)
         if worker_meta.missing:
             self._remote_memo.clear()  # the daemon lost chunks it reported: ask again
             # vLLM recomputes the chunks that failed to load; offer them for saving again.
@@ -377,13 +431,18 @@ class SchedulerSide:
     def _settle(self, key: bytes, ok: int, failed: int) -> None:
         counts = self._pending.get(key)
         if counts is None:  # a key saved again after it fell out of the mirror
-            counts = self._pending[key] = [0, 0]
+            counts = self._pending[key] = [0, 0, -1]
         counts[0] += ok
         counts[1] += failed
         if counts[0] + counts[1] >= self.world_size:
             del self._pending[key]
+            left = self._open_steps.get(counts[2], 0) - 1
+            if left > 0:
+                self._open_steps[counts[2]] = left
+            else:
+                self._open_steps.pop(counts[2], None)
             if counts[1] == 0:
-                self.mirror.add(key)
+                self.mirror.confirm(key)
 
     def take_stats(self) -> KVTierConnectorStats | None:
         if self.stats.is_empty():

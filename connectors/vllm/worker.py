@@ -18,11 +18,13 @@ touches only the mover (reads), the store (thread-safe) and the fields under ``_
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -40,11 +42,38 @@ from .metadata import (
     LoadOp,
     SaveOp,
 )
+from .mirror import IndexFeed
 from .mover import BlockMover, select_mover
 from .remote import RemoteStore
 from .settings import ChunkShape, DaemonSettings
 
 log = logging.getLogger(__name__)
+
+
+def rank_dirs(cfg: KVTierConfig, spec: KVSpec, pp_rank: int) -> KVTierConfig:
+    """``cfg`` with each rank's nvme slabs in its own subdirectory, when there are ranks.
+
+    Every rank builds its own store from the same configuration, and an nvme directory
+    is one store's (it is locked): with TP > 1 or PP > 1 rank ``r`` of stage ``p`` uses
+    ``<dir>/tp<r>-pp<p>``. A single-rank engine keeps the directory as configured.
+    """
+    if spec.tp_size <= 1 and pp_rank == 0:
+        return cfg
+    sub = f"tp{spec.tp_rank}-pp{pp_rank}"
+    tiers = []
+    for t in cfg.tiers:
+        o = t.options
+        if t.kind == "nvme" and o is not None:
+            o = dataclasses.replace(
+                o,
+                paths=tuple(str(Path(p) / sub) for p in o.paths),
+                dir=str(Path(o.dir) / sub) if o.dir else o.dir,
+                # The subdirectory is this rank's own: create it when its parent is there.
+                create_dirs=o.create_dirs
+                or all(Path(p).expanduser().is_dir() for p in (*o.paths, o.dir) if p),
+            )
+        tiers.append(dataclasses.replace(t, options=o))
+    return dataclasses.replace(cfg, tiers=tuple(tiers))
 
 
 class WorkerSide:
@@ -79,6 +108,8 @@ class WorkerSide:
         # worker metadata so that it can look up other engines' chunks (remote.py).
         self._announce: frozenset[bytes] = frozenset()
         self._salt = b""
+        # Embedded store: its index changes, forwarded to the scheduler's mirror.
+        self._feed: IndexFeed | None = None
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-save")
         self._lock = threading.Condition()
         self._outstanding: dict[str, int] = defaultdict(int)  # req id -> queued save ops
@@ -110,7 +141,9 @@ class WorkerSide:
             self.store = RemoteStore(self.daemon, value_bytes)
             self._announce = frozenset({self._salt})
         else:
-            self.store = build_store(self.cfg, spec=self.spec, chunk_bytes=value_bytes).store
+            cfg = rank_dirs(self.cfg, self.spec, self.pp_rank)
+            self.store = build_store(cfg, spec=self.spec, chunk_bytes=value_bytes).store
+            self._feed = IndexFeed(self.store)
         log.info(
             "kvtier worker: %s, %d layers, %d B per block-layer (%s), chunk %d tokens = %d B; "
             "tiers %s",
@@ -233,7 +266,16 @@ class WorkerSide:
 
     def build_worker_meta(self) -> KVTierWorkerMeta | None:
         with self._lock:
-            meta = KVTierWorkerMeta(self._stored, self._failed, self._missing, self._announce)
+            # Taken under the lock, with the confirmations: a save's evictions (events of
+            # its put, recorded before it completed) then never arrive after them.
+            update = self._feed.take() if self._feed is not None else None
+            meta = KVTierWorkerMeta(
+                self._stored,
+                self._failed,
+                self._missing,
+                self._announce,
+                {self._salt: update} if update is not None else {},
+            )
             self._stored, self._failed, self._missing = {}, {}, set()
         return None if meta.is_empty() else meta
 

@@ -13,6 +13,7 @@ stamped with the key itself.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,12 @@ TRACE_BLOCK_TOKENS = 512
 # A shipped trace (kvtier/data/mooncake/): a clone or an installed kvtier has it.
 DEFAULT_TRACE = "mooncake-conversation"
 _POOL_BYTES = 64 << 20
+# Chunks move in windows of at most this many bytes: the demo's memory stays bounded
+# whatever the longest request (a 64K-token Llama-3-8B prompt is 8 GiB of KV).
+WINDOW_BYTES = 128 << 20
+# With the embedded default tiers, the demo's host tier is this large, so the whole run
+# stays under 2 GiB of RSS (the shared-memory arena counts as it fills).
+DEMO_HOST_BYTES = 1 << 30
 # Unless the config has an nvme tier, the demo keeps one in this folder of the data
 # directory (service.data_dir: --data-dir, KVTIER_DATA_DIR); it outlives the run, so a
 # second run starts with the chunks the first one left. No data directory: memory only.
@@ -64,6 +71,18 @@ def load_requests(trace: str | Path, n: int) -> list[DemoRequest]:
     return out
 
 
+def _demo_sized(cfg: KVTierConfig) -> KVTierConfig:
+    """``cfg`` with a :data:`DEMO_HOST_BYTES` host tier when its tiers are the default ones."""
+    from kvtier.config import load_config
+
+    if cfg.tiers != load_config(None, env={}).tiers or cfg.tiers[0].kind != "host":
+        return cfg  # the user chose the tiers
+    top = dataclasses.replace(
+        cfg.tiers[0], capacity_bytes=min(cfg.tiers[0].capacity_bytes, DEMO_HOST_BYTES)
+    )
+    return dataclasses.replace(cfg, tiers=(top, *cfg.tiers[1:]))
+
+
 def _block_tokens(block_id: int) -> np.ndarray:
     return np.random.default_rng(block_id).integers(
         0, 128000, size=TRACE_BLOCK_TOKENS, dtype=np.int32
@@ -85,15 +104,14 @@ class ChunkBytes:
         out[:16] = np.frombuffer(key, dtype=np.uint8)
 
 
-def run_demo(
-    cfg: KVTierConfig, *, sequences: int, trace: str | Path | None, seed: int
-) -> bool:
+def run_demo(cfg: KVTierConfig, *, sequences: int, trace: str | Path | None, seed: int) -> bool:
     """Run the demo; True when every loaded byte verified."""
     console = stdout_console()
     trace_spec = trace or DEFAULT_TRACE
     reqs = load_requests(trace_spec, sequences)  # a bad trace fails before any allocation
     # The seed picks the demo's KV bytes, so it is part of the key namespace: a persistent
     # tier holding another seed's chunks must miss, not fail verification.
+    cfg = _demo_sized(cfg)
     if cfg.service.data_dir:
         where = Path(cfg.service.data_dir).expanduser() / DEMO_SUBDIR
         cfg = with_nvme_under(cfg, where, cfg.service.data_capacity_bytes)
@@ -109,8 +127,8 @@ def run_demo(
         + f"; workload: {source}"
     )
     gen = ChunkBytes(chunk_bytes, seed)
-    max_chunks = max((len(r.tokens) // chunk_tokens for r in reqs), default=0)
-    buf = np.empty(max(1, max_chunks) * chunk_bytes, dtype=np.uint8)
+    window = max(1, WINDOW_BYTES // chunk_bytes)
+    buf = np.empty(window * chunk_bytes, dtype=np.uint8)
     expect = np.empty(chunk_bytes, dtype=np.uint8)
     bad = 0
     first = {"chunks": 0, "hits": 0}
@@ -120,15 +138,19 @@ def run_demo(
     def load_and_verify(keys: list[ChunkKey]) -> int:
         nonlocal bad, moved_bytes
         hits = store.lookup(keys).hits
-        if not hits:
-            return 0
-        res = store.get(keys[:hits], buf[: hits * chunk_bytes]).result()
-        for i in range(res.chunks):
-            gen.fill(keys[i], expect)
-            if not np.array_equal(buf[i * chunk_bytes : (i + 1) * chunk_bytes], expect):
-                bad += 1
-        moved_bytes += res.nbytes
-        return res.chunks
+        loaded = 0
+        while loaded < hits:  # window by window: bounded memory
+            part = keys[loaded : min(hits, loaded + window)]
+            res = store.get(part, buf[: len(part) * chunk_bytes]).result()
+            for i in range(res.chunks):
+                gen.fill(part[i], expect)
+                if not np.array_equal(buf[i * chunk_bytes : (i + 1) * chunk_bytes], expect):
+                    bad += 1
+            moved_bytes += res.nbytes
+            loaded += res.chunks
+            if res.chunks < len(part):  # evicted meanwhile: the rest is a miss
+                break
+        return loaded
 
     try:
         with Progress(console=console, transient=True) as progress:
@@ -140,12 +162,12 @@ def run_demo(
                 hits = load_and_verify(keys)
                 first["chunks"] += len(keys)
                 first["hits"] += hits
-                new = keys[hits:]
-                if new:
+                for lo in range(hits, len(keys), window):
+                    new = keys[lo : lo + window]
                     data = buf[: len(new) * chunk_bytes]
                     for i, k in enumerate(new):
                         gen.fill(k, data[i * chunk_bytes : (i + 1) * chunk_bytes])
-                    store.put(new, data, prefix=keys[:hits]).result()
+                    store.put(new, data, prefix=keys[:lo]).result()
                     moved_bytes += data.nbytes
                 progress.advance(task)
             second = {"chunks": 0, "hits": 0}

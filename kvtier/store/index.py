@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from kvtier.keys import ChunkKey
 from kvtier.store.policy import EvictionFactory, EvictionPolicy
-from kvtier.store.types import StoreStats
+from kvtier.store.types import EventKind, StoreEvent, StoreStats
 from kvtier.tiers.base import SlotRun, Tier
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,10 @@ class StoreIndex:
         self._evict: list[EvictionPolicy] = [eviction() for _ in self.tiers]
         self._tier_hits = [0] * len(self.tiers)
         self._failures: dict[tuple[str, str], int] = {}
+        # Index changes go out as INDEXED / UNINDEXED events, under the lock (so their
+        # order is the index's), before the operation that caused them completes.
+        self.emit: Callable[[StoreEvent], None] = lambda event: None
+        self._gone: list[Slot] = []  # removed by the operation in progress
 
     # -- queries and holds (take the lock) ------------------------------------------------
 
@@ -195,7 +199,19 @@ class StoreIndex:
                 if e is not None:
                     self.remove_locked(key, e)
                     gone.append(key)
+            self.emit_gone_locked()
         return gone
+
+    def keys(self) -> list[ChunkKey]:
+        """Every indexed key (a snapshot; no bytes read). Thread-safe."""
+        with self.lock:
+            return list(self._entries)
+
+    def hottest_locked(self, t: int) -> list[ChunkKey]:
+        """Keys of tier ``t``, most recently used first (by its eviction order)."""
+        keys = list(self._evict[t].candidates())
+        keys.reverse()
+        return keys
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -236,6 +252,9 @@ class StoreIndex:
             for key, slot_no in reversed(written):
                 self._entries[key] = Entry(Slot(key, t, slot_no, value_bytes))
                 self._evict[t].insert(key, value_bytes)
+            if written:
+                keys = tuple(k for k, _ in written)
+                self._emit_keys(EventKind.INDEXED, t, keys, len(keys) * value_bytes)
 
     def add_adopted(
         self,
@@ -269,6 +288,9 @@ class StoreIndex:
             for key in reversed(new):  # head most recent, as in add_written
                 self._evict[t].insert(key, self._entries[key].slot.value_bytes)
             self.counts.adopted_chunks += len(new)
+            if new:
+                nbytes = sum(self._entries[k].slot.value_bytes for k in new)
+                self._emit_keys(EventKind.INDEXED, t, tuple(new), nbytes)
         return out
 
     def note_hits(self, served: Sequence[Slot], nbytes: int) -> dict[int, list[ChunkKey]]:
@@ -301,30 +323,25 @@ class StoreIndex:
         """Up to ``n`` of ``tier``'s next victims, pinned and busy ones skipped
         (:class:`~kvtier.store.policy.TierView`: placement compares them with a victim
         from above before it demotes one)."""
+        with self.lock:
+            return self._coldest_locked(tier, n)
+
+    def _coldest_locked(self, t: int, n: int) -> list[ChunkKey]:
         out: list[ChunkKey] = []
         if n < 1:
             return out
-        with self.lock:
-            for key in self._evict[tier].candidates():
-                e = self._entries.get(key)
-                if e is None or e.pins or e.moving or e.slot.readers or e.slot.tier != tier:
-                    continue
-                out.append(key)
-                if len(out) >= n:
-                    break
-        return out
-
-    def pick_victims_locked(self, t: int, deficit: int) -> list[Slot]:
-        """Claim up to ``deficit`` of tier ``t``'s coldest free chunks for a mover."""
-        keys: list[ChunkKey] = []
         for key in self._evict[t].candidates():
             e = self._entries.get(key)
             if e is None or e.pins or e.moving or e.slot.readers or e.slot.tier != t:
                 continue
-            keys.append(key)
-            if len(keys) >= deficit:
+            out.append(key)
+            if len(out) >= n:
                 break
-        return self.claim_movers_locked(keys, lambda e: True)
+        return out
+
+    def pick_victims_locked(self, t: int, deficit: int) -> list[Slot]:
+        """Claim up to ``deficit`` of tier ``t``'s coldest free chunks for a mover."""
+        return self.claim_movers_locked(self._coldest_locked(t, deficit), lambda e: True)
 
     def claim_movers_locked(
         self, keys: Sequence[ChunkKey], ok: Callable[[Entry], bool]
@@ -358,6 +375,7 @@ class StoreIndex:
                 self.remove_locked(sl.key, e)
                 dropped += 1
         self.counts.dropped_chunks += dropped
+        self.emit_gone_locked()
         return dropped
 
     def repoint_locked(self, old: Slot, new: Slot | None, *, drop: bool) -> bool:
@@ -381,6 +399,7 @@ class StoreIndex:
             elif drop:
                 self.remove_locked(old.key, e)
                 self.counts.dropped_chunks += 1
+                self.emit_gone_locked()
         self.unread_locked(old)
         return moved
 
@@ -393,6 +412,7 @@ class StoreIndex:
                     self.remove_locked(sl.key, e)
             if corrupt:
                 self.counts.corrupt_chunks += len(slots)
+            self.emit_gone_locked()
 
     def note_failure(self, tier: str, op: str) -> int:
         """Count one tier failure; returns how many of this (tier, op) came before."""
@@ -405,10 +425,29 @@ class StoreIndex:
     # -- slot lifetime (lock held) ------------------------------------------------------------
 
     def remove_locked(self, key: ChunkKey, e: Entry) -> None:
-        """Take a chunk out of the index; its bytes go when the last reader is done."""
+        """Take a chunk out of the index; its bytes go when the last reader is done.
+
+        The caller ends its operation with :meth:`emit_gone_locked`.
+        """
         del self._entries[key]
         self._evict[e.slot.tier].remove(key)
+        self._gone.append(e.slot)
         self.retire_locked(e.slot)
+
+    def emit_gone_locked(self) -> None:
+        """Announce the chunks removed since the last call (one event per tier)."""
+        if not self._gone:
+            return
+        gone, self._gone = self._gone, []
+        by_tier: dict[int, list[Slot]] = {}
+        for sl in gone:
+            by_tier.setdefault(sl.tier, []).append(sl)
+        for t, slots in by_tier.items():
+            nbytes = sum(sl.value_bytes for sl in slots)
+            self._emit_keys(EventKind.UNINDEXED, t, tuple(sl.key for sl in slots), nbytes)
+
+    def _emit_keys(self, kind: EventKind, t: int, keys: tuple[ChunkKey, ...], nbytes: int) -> None:
+        self.emit(StoreEvent(kind, self.tiers[t].name, len(keys), nbytes, keys=keys))
 
     def retire_locked(self, sl: Slot) -> None:
         sl.retired = True

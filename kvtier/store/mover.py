@@ -32,6 +32,7 @@ Background = Callable[[Callable[[], object]], None]
 """Runs a call later on an I/O thread (background promotions); a closed store skips it."""
 
 _MAKE_ROOM_ROUNDS = 8  # bounded retries when concurrent puts race for freed space
+_PERSIST_BATCH_BYTES = 64 << 20  # staging per batch when a clean close persists chunks
 
 
 def _offsets(extents: Sequence[Extent]) -> list[int]:
@@ -294,6 +295,41 @@ class Mover:
     def _drop_locked(self, t: int, victims: list[Slot]) -> None:
         dropped = self.index.drop_movers_locked(victims)
         self.emit(StoreEvent(EventKind.DROPPED, self.tiers[t].name, dropped, 0))
+
+    def persist(self, t: int, target: int, limit: int) -> int:
+        """Move tier ``t``'s chunks down into persistent tier ``target`` (a clean close).
+
+        The ``limit`` most recently used go, coldest of them first, so the target's
+        eviction order keeps the hottest as the newest. Room is made in the target as for
+        any demotion (its coldest chunks go down or are dropped, as placement says), and
+        never by evicting what this call already moved (``limit`` is at most the target's
+        capacity). A chunk that fails to move stays where it was. Returns how many moved.
+        """
+        if limit <= 0:
+            return 0
+        batch = max(1, _PERSIST_BATCH_BYTES // self.tiers[t].slot_bytes)
+        with self.index.lock:
+            keys = self.index.hottest_locked(t)[:limit]
+        keys.reverse()
+        moved = 0
+        for lo in range(0, len(keys), batch):
+            with self.index.lock:
+                claimed = self.index.claim_movers_locked(
+                    keys[lo : lo + batch], lambda e: e.slot.tier == t
+                )
+            if not claimed:
+                continue
+            if not self.make_room(target, len(claimed)):
+                with self.index.lock:
+                    self.index.release_movers_locked(claimed)
+                break
+            n = self._move(claimed, target, drop_on_failure=False)
+            with self.index.lock:
+                self.index.counts.demoted_chunks += n
+            moved += n
+        if moved:
+            self.emit(StoreEvent(EventKind.DEMOTED, self.tiers[target].name, moved, 0))
+        return moved
 
     def _move(self, victims: list[Slot], target: int, *, drop_on_failure: bool) -> int:
         """Copy claimed chunks into ``target`` (room already made) and repoint the index.

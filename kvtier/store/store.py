@@ -8,7 +8,11 @@
   other processes store there too); found ones are adopted into the index.
 * ``get`` copies a leading run into the caller's buffer; a hit in a lower tier may be
   promoted afterwards, in the background.
-* ``delete``, ``pin``/``unpin``, ``stats``, listeners for events.
+* ``delete``, ``pin``/``unpin``, ``stats``, listeners for events (index changes carry
+  their keys: :attr:`~kvtier.store.types.EventKind.INDEXED` / ``UNINDEXED``).
+* ``close`` first moves what only memory tiers hold into the persistent tier below them
+  (nvme), the most recently used first, up to its capacity: a clean shutdown keeps the
+  cache; a crash keeps what had reached the persistent tier (its durability mode).
 
 :class:`TieredStore` is a facade over two parts, as vLLM's offloading keeps a manager
 apart from its worker: :class:`~kvtier.store.index.StoreIndex` keeps the books (entries,
@@ -27,6 +31,7 @@ misses, a counter, an event and a rate-limited log line.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,6 +56,7 @@ from kvtier.tiers.base import Tier
 
 Buffer = memoryview | bytes | bytearray | np.ndarray
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def _as_bytes_view(buf: Buffer, *, writable: bool) -> memoryview:
@@ -98,6 +104,7 @@ class TieredStore:
             promote_on_hit=promote_on_hit,
             background=self._background,
         )
+        self._index.emit = self._mover.emit
         self.slot_bytes = self._mover.slot_bytes
         self.placement = self._mover.placement
         self.placement.bind(self._index)
@@ -254,6 +261,14 @@ class TieredStore:
         keys = check_keys(keys)
         self._index.touch(keys)
 
+    def keys(self) -> list[ChunkKey]:
+        """Every chunk the index holds now (after a restart: what persistent tiers recovered).
+
+        A snapshot, no I/O. To follow the index from here on, add a listener first (see
+        :attr:`~kvtier.store.types.EventKind.INDEXED`).
+        """
+        return self._index.keys()
+
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener`` with every :class:`StoreEvent` (from I/O threads; keep it fast)."""
         self._mover.listeners.append(listener)
@@ -284,10 +299,15 @@ class TieredStore:
             self._mover.tier_failed(i, "flush", exc, 0)
 
     def close(self) -> None:
-        """Finish queued work, flush and close every tier. Idempotent."""
+        """Finish queued work, persist memory-only chunks, flush and close every tier.
+
+        Idempotent. Chunks that only memory tiers hold are moved into the persistent tier
+        below them first (see :meth:`persist_memory_tiers`).
+        """
         if self._closed:
             return
         self.drain()
+        self.persist_memory_tiers()
         self._closed = True
         self._pool.shutdown(wait=True)
         for i, t in enumerate(self.tiers):
@@ -298,6 +318,41 @@ class TieredStore:
                     t.close()
                 except TierError as exc:
                     self._mover.tier_failed(i, "close", exc, 0)
+
+    def persist_memory_tiers(self) -> int:
+        """Move what memory tiers hold into the first persistent tier below them.
+
+        Per memory tier, top first, the most recently used chunks go, until the
+        persistent tier's capacity is spent; the rest stays (and is lost at exit, as a
+        memory tier's content is). Returns how many chunks moved. Never raises for tier
+        failures (a chunk that fails to move stays where it was).
+        """
+        persistent = [i for i, t in enumerate(self.tiers) if t.persistent]
+        if not persistent:
+            return 0
+        self.drain()
+        room = {p: self.tiers[p].capacity_slots for p in persistent}
+        total = 0
+        for t, tier in enumerate(self.tiers):
+            below = [p for p in persistent if p > t]
+            if tier.persistent or tier.shared or not below:
+                continue
+            target = below[0]
+            try:
+                moved = self._mover.persist(t, target, room[target])
+            except Exception:  # close must finish: what did not move is lost, as in a crash
+                log.exception("tier %s: moving chunks into %s failed", tier.name, target)
+                continue
+            room[target] -= moved
+            total += moved
+            if moved:
+                log.info(
+                    "tier %s: %d chunk(s) moved into %s before closing",
+                    tier.name,
+                    moved,
+                    self.tiers[target].name,
+                )
+        return total
 
     def __enter__(self) -> TieredStore:
         return self

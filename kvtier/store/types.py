@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
 
 
@@ -66,17 +67,35 @@ class EventKind(enum.Enum):
     DELETED = "deleted"
     CORRUPT = "corrupt"
     TIER_ERROR = "tier_error"
+    # The index changed: keys entered it (stored, adopted from a shared tier) or left
+    # every tier (dropped, deleted, corrupt or unreadable). Always with ``keys``, so a
+    # listener can follow exactly what the store holds (the vLLM connector's mirror).
+    INDEXED = "indexed"
+    UNINDEXED = "unindexed"
 
 
 @dataclass(frozen=True, slots=True)
 class StoreEvent:
-    """Something the store did to chunks, for listeners (metrics, policies, journals)."""
+    """Something the store did to chunks, for listeners (metrics, policies, journals).
+
+    Attributes:
+        keys: the chunks concerned, for :attr:`EventKind.INDEXED` and
+            :attr:`EventKind.UNINDEXED` (empty for the other kinds, which count).
+    """
 
     kind: EventKind
     tier: str
     chunks: int
     nbytes: int
     detail: str = ""
+    keys: tuple[ChunkKey, ...] = ()
+
+    @property
+    def index_change(self) -> int:
+        """+1 when ``keys`` entered the index, -1 when they left it, 0 otherwise."""
+        if self.kind is EventKind.INDEXED:
+            return 1
+        return -1 if self.kind is EventKind.UNINDEXED else 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -142,6 +142,9 @@ class Tier(ABC):
     shared: bool = False
     """True when other processes or hosts also write this tier's medium: the store then
     asks :meth:`probe` about chunks its own index lacks."""
+    persistent: bool = False
+    """True when the tier's chunks survive a restart (:meth:`recover` returns them): a
+    clean close moves what only memory tiers hold into the first such tier below them."""
 
     def __init__(
         self,

@@ -1,16 +1,18 @@
 """Daemon mode: vLLM engines in separate processes share one real ``kvtier serve``.
 
 Three engine processes run one after the other (two at once do not fit two cores), all
-eager (daemon_driver.py): the first stores, the second (vLLM's default multi-process
-engine) and the third (in-process, so its counters can be read) hit what the first
-stored. The third also lives through the daemon being killed (SIGKILL, a real fault) and
-restarted on the same port.
+eager (daemon_driver.py): the first stores; then the daemon restarts cleanly (SIGTERM,
+same data directory and port); the second (vLLM's default multi-process engine) and the
+third (in-process, so its counters can be read) hit what the first stored, i.e. what the
+daemon kept across its restart. The third also lives through the daemon being killed
+(SIGKILL, a real fault) and restarted on the same port.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -68,7 +70,9 @@ def _wait(proc: subprocess.Popen[bytes], path: Path, log: Path, timeout_s: float
 def runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
     tmp = tmp_path_factory.mktemp("daemon-mode")
     port = free_port()
-    daemons: list[Daemon] = [start_daemon(tmp, port=port)]
+    # An nvme tier under a data directory, so the daemon's cache outlives its restarts.
+    data = ("--data-dir", str(tmp / "daemon-data"), "--set", "service.data_capacity_bytes=64MiB")
+    daemons: list[Daemon] = [start_daemon(tmp, *data, port=port)]
     procs: list[subprocess.Popen[bytes]] = []
     try:
         url = daemons[0].url
@@ -77,6 +81,10 @@ def runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         procs.append(a)
         _wait(a, tmp / "result-store.json", log_a)
         assert a.wait(timeout=120) == 0, log_a.read_text()[-4000:]
+        # A clean restart: the engines below find the first one's chunks only if the
+        # daemon kept them (its host tier's content moves to nvme at shutdown).
+        assert daemons[0].stop() in (0, -signal.SIGTERM), daemons[0].log.read_text()[-3000:]
+        daemons.append(start_daemon(tmp, *data, port=port))
 
         log_mp = tmp / "engine-mp.log"
         before = httpx.get(url + "/v1/stats", timeout=5).json()["store"]
@@ -89,11 +97,11 @@ def runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         b = _driver(tiny_model, url, tmp, "share", log_b)
         procs.append(b)
         _wait(b, tmp / "down?", log_b)
-        daemons[0].proc.kill()  # a crash, not a graceful stop
-        daemons[0].proc.wait()
+        daemons[-1].proc.kill()  # a crash, not a graceful stop
+        daemons[-1].proc.wait()
         (tmp / "down").touch()
         _wait(b, tmp / "up?", log_b)
-        daemons.append(start_daemon(tmp, port=port))
+        daemons.append(start_daemon(tmp, *data, port=port))
         (tmp / "up").touch()
         _wait(b, tmp / "result-share.json", log_b)
         assert b.wait(timeout=120) == 0, log_b.read_text()[-4000:]
@@ -124,7 +132,8 @@ def test_first_engine_stores_into_the_daemon(runs: Runs) -> None:
 
 def test_second_engine_hits_what_the_first_stored(runs: Runs) -> None:
     r = runs.share
-    # Its own mirror is empty: the scheduler side found the chunks in the daemon.
+    # Its own mirror is empty: the scheduler side found the chunks in the daemon, which
+    # restarted in between (SIGTERM) and kept them.
     assert r["hit_cached"] == HIT_TOKENS
     assert r["totals_hit"]["load_chunks"] == 4
     assert r["hit"] == runs.store["first"]

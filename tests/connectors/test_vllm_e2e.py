@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.connectors.conftest import CHUNK, CHUNK_BYTES, HOST_BYTES, Engine, prompt
+from tests.connectors.conftest import CHUNK, HOST_BYTES, Engine, prompt
 
 pytest.importorskip("vllm")
 
@@ -62,30 +62,54 @@ def test_cache_salt_separates_tenants(engine: Engine) -> None:
 
 
 def test_failed_load_is_recomputed(engine: Engine) -> None:
-    """A chunk evicted from the store while the scheduler still lists it: vLLM recomputes.
+    """A chunk that left the store after the scheduler last heard of it: vLLM recomputes.
 
-    The scheduler side's mirror learns of evictions lazily (docs/architecture.md), so
-    filling the store past its capacity makes the next lookup claim chunks the worker
-    no longer has: a real failed load, no mock.
+    The scheduler's mirror follows the store's index events one step behind. Deleting
+    chunks from the worker's store between two requests (as an eviction racing a lookup
+    would) makes the next lookup promise chunks the worker no longer has: a real failed
+    load, no mock; a false positive of the mirror's filter takes the same path.
     """
     victim = prompt(6, 10 * CHUNK)
     first = engine.generate(victim)
-    # 40 new chunks: more than the host tier holds (32), so LRU drops every victim
-    # chunk, but fewer than the mirror lists (2 x 32), which therefore still has them.
-    capacity_chunks = HOST_BYTES // CHUNK_BYTES
-    for seed in range(2):
-        engine.generate(prompt(100 + seed, (capacity_chunks + 8) // 2 * CHUNK + 1))
+    store = engine.connector.worker.store
+    assert store.delete(store.keys()) >= 10  # every chunk, this scenario's among them
     before = engine.totals()
     again = engine.generate(victim)
     after = engine.totals()
     failed = after.get("load_failed_blocks", 0) - before.get("load_failed_blocks", 0)
 
-    assert failed > 0
+    assert failed > 0  # promised, not served: recomputed
     assert again.tokens == first.tokens
-    # The failure taught the scheduler: the next run stores and hits again.
+    # The failure taught the scheduler: the chunks are stored again, and the next run hits.
     third = engine.generate(victim)
     assert third.tokens == first.tokens
     assert third.num_cached_tokens == 9 * CHUNK
+    assert engine.totals().get("load_failed_blocks", 0) == after.get("load_failed_blocks", 0)
+
+
+def test_churn_never_promises_a_chunk_the_store_dropped(engine: Engine) -> None:
+    """A store smaller than the working set: every drop leaves the mirror with its keys.
+
+    Three prompts of 12 chunks share the 32-chunk host tier with their own recomputed
+    references (salted): LRU drops chunks on almost every request. The scheduler's mirror
+    learns each drop from the store's events, so it never promises a dropped chunk: no
+    failed load, and every output equals its recompute.
+    """
+    prompts = [prompt(200 + i, 12 * CHUNK + 5) for i in range(3)]
+    store = engine.connector.worker.store
+    dropped = store.stats().dropped_chunks
+    ref = [engine.generate(p, cache_salt=f"churn-ref-{i}").tokens for i, p in enumerate(prompts)]
+    before = engine.totals()
+    order = [0, 1, 0, 2, 0, 1, 2, 1, 0, 2, 2, 0]
+    runs = [engine.generate(prompts[i]) for i in order]
+    after = engine.totals()
+
+    assert store.stats().dropped_chunks - dropped >= 3 * 12  # real churn
+    assert after.get("load_failed_blocks", 0) == before.get("load_failed_blocks", 0)
+    assert [r.tokens for r in runs] == [ref[i] for i in order]
+    hits = [r.num_cached_tokens for r in runs]
+    assert sum(hits) >= 3 * 12 * CHUNK  # the reuse that fits did hit
+    assert after.get("load_tokens", 0) - before.get("load_tokens", 0) == sum(hits)
 
 
 def test_store_stats_show_the_host_tier(engine: Engine) -> None:

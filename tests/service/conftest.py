@@ -68,8 +68,13 @@ class Daemon:
 
 
 def start_daemon(
-    tmp: Path, *args: str, tokens: dict[str, str] | None = None, port: int | None = None
+    tmp: Path,
+    *args: str,
+    tokens: dict[str, str] | None = None,
+    port: int | None = None,
+    small: bool = True,
 ) -> Daemon:
+    """``kvtier serve`` on ``port`` (a free one by default), ready; ``small``: with SMALL."""
     port = port or free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     for tenant, token in (tokens or {}).items():
@@ -77,7 +82,7 @@ def start_daemon(
     log = tmp / f"daemon-{port}-{time.monotonic_ns()}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [*kvtier_cmd(), "serve", "--port", str(port), *SMALL, *args],
+            [*kvtier_cmd(), "serve", "--port", str(port), *(SMALL if small else ()), *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
@@ -105,8 +110,13 @@ def daemon_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonF
     started: list[Daemon] = []
     tmp = tmp_path_factory.mktemp("daemon")
 
-    def make(*args: str, tokens: dict[str, str] | None = None, port: int | None = None) -> Daemon:
-        d = start_daemon(tmp, *args, tokens=tokens, port=port)
+    def make(
+        *args: str,
+        tokens: dict[str, str] | None = None,
+        port: int | None = None,
+        small: bool = True,
+    ) -> Daemon:
+        d = start_daemon(tmp, *args, tokens=tokens, port=port, small=small)
         started.append(d)
         return d
 

@@ -47,3 +47,13 @@ def test_store_stats_round_trip_through_the_models() -> None:
     dumped = StoreStatsModel.model_validate(as_json(st)).model_dump()
     assert dumped["tier_hits"] == {"host": 3}
     assert dumped["tiers"][0] == dataclasses.asdict(tier)
+
+
+def test_head_end_finds_the_marker_within_and_across_reads() -> None:
+    from kvtier.service.headlimit import head_end
+
+    assert head_end(b"", b"GET / HTTP/1.1\r\n\r\nbody") == 18
+    assert head_end(b"", b"GET / HTTP/1.1\r\nX: y") == -1
+    assert head_end(b"y\r\n", b"\r\nbody") == 2  # the marker straddles two reads
+    assert head_end(b"\r\n\r", b"\nbody") == 1
+    assert head_end(b"abc", b"\r\n\r\n") == 4

@@ -45,3 +45,21 @@ def test_an_unknown_model_for_recompute_is_a_config_error() -> None:
                                          "tiers.0.capacity_bytes=64KiB"])
     with pytest.raises(ConfigError, match=r"placement\.model"):
         build_store(cfg, chunk_bytes=4096)
+
+
+def test_a_caller_given_geometry_is_priced_without_the_ignored_model_section() -> None:
+    # The connector brings vLLM's geometry and ignores [model]: a 70B [model] (4 GPUs) must
+    # not price the recompute of the 8B-shaped chunks it stores.
+    from kvtier.spec import preset
+
+    cfg = load_config(env={}, overrides=["model.name=llama-3-70b",
+                                         "tiers.0.capacity_bytes=64KiB"])
+    with build_store(cfg, spec=preset("llama-3-8b"), chunk_bytes=4096).store as store:
+        placement = store.placement
+        assert isinstance(placement, CostAwarePlacement)
+        one_gpu = 3.5 / 3600
+        assert placement.econ.value_per_s == pytest.approx(one_gpu + 0.001)
+    with build_store(cfg, chunk_bytes=4096).store as store:  # [model] read: 4 GPUs
+        placement = store.placement
+        assert isinstance(placement, CostAwarePlacement)
+        assert placement.econ.value_per_s == pytest.approx(4 * one_gpu + 0.001)

@@ -245,8 +245,24 @@ class PosixEngine(IOEngine):
         if len(reqs) == 1:  # no hand-off for the common single-piece case
             self._one(reqs[0], writing)
             return
-        futs: list[Future[None]] = [self._pool.submit(self._one, r, writing) for r in reqs]
+        futs: list[Future[None]] = []
+        inline: list[IORequest] = []
+        for r in reqs:
+            try:
+                if not inline:
+                    futs.append(self._pool.submit(self._one, r, writing))
+                    continue
+            except RuntimeError:
+                # At interpreter exit the pool takes no new work, yet a store closed by an
+                # exit hook (vLLM's engine finalizer) still persists: run the rest here.
+                pass
+            inline.append(r)
         first: BaseException | None = None
+        for r in inline:
+            try:
+                self._one(r, writing)
+            except BaseException as err:
+                first = first or err
         for f in futs:
             exc = f.exception()
             if exc is not None and first is None:

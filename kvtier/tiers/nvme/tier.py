@@ -142,6 +142,7 @@ class NVMeTier(Tier):
     """
 
     kind = "nvme"
+    persistent = True
 
     def __init__(
         self,
