@@ -323,30 +323,25 @@ class StoreIndex:
         """Up to ``n`` of ``tier``'s next victims, pinned and busy ones skipped
         (:class:`~kvtier.store.policy.TierView`: placement compares them with a victim
         from above before it demotes one)."""
+        with self.lock:
+            return self._coldest_locked(tier, n)
+
+    def _coldest_locked(self, t: int, n: int) -> list[ChunkKey]:
         out: list[ChunkKey] = []
         if n < 1:
             return out
-        with self.lock:
-            for key in self._evict[tier].candidates():
-                e = self._entries.get(key)
-                if e is None or e.pins or e.moving or e.slot.readers or e.slot.tier != tier:
-                    continue
-                out.append(key)
-                if len(out) >= n:
-                    break
-        return out
-
-    def pick_victims_locked(self, t: int, deficit: int) -> list[Slot]:
-        """Claim up to ``deficit`` of tier ``t``'s coldest free chunks for a mover."""
-        keys: list[ChunkKey] = []
         for key in self._evict[t].candidates():
             e = self._entries.get(key)
             if e is None or e.pins or e.moving or e.slot.readers or e.slot.tier != t:
                 continue
-            keys.append(key)
-            if len(keys) >= deficit:
+            out.append(key)
+            if len(out) >= n:
                 break
-        return self.claim_movers_locked(keys, lambda e: True)
+        return out
+
+    def pick_victims_locked(self, t: int, deficit: int) -> list[Slot]:
+        """Claim up to ``deficit`` of tier ``t``'s coldest free chunks for a mover."""
+        return self.claim_movers_locked(self._coldest_locked(t, deficit), lambda e: True)
 
     def claim_movers_locked(
         self, keys: Sequence[ChunkKey], ok: Callable[[Entry], bool]
