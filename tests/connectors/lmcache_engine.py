@@ -83,9 +83,20 @@ class Engine:
         search = [backend] if backend else None
         return int(self.engine.lookup(tokens, search_range=search, **kw))
 
-    def drop_local(self) -> None:
-        """Drop LMCache's local CPU copies, so hits must come from the backend below."""
-        self.engine.clear(locations=["LocalCPUBackend"])
+    def drop_local(self, tokens: list[int] | None = None, timeout_s: float = 20.0) -> None:
+        """Drop LMCache's local CPU copies, so hits must come from the backend below.
+
+        LMCache skips objects still referenced (a store to a backend in flight holds
+        them): with ``tokens``, clear again until none of their chunks is left locally.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.engine.clear(locations=["LocalCPUBackend"])
+            if tokens is None or self.lookup(tokens, "LocalCPUBackend") == 0:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError("LMCache kept its local CPU copies")
+            time.sleep(0.05)
 
     def wait_stored(self, tokens: list[int], backend: str, timeout_s: float = 60.0) -> int:
         """Wait until ``backend`` holds every full chunk of ``tokens`` (stores are async)."""

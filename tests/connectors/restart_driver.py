@@ -1,7 +1,7 @@
 """Run by test_vllm_restart.py in its own process: one vLLM engine over an embedded store
 with a host tier and an nvme tier, serving the same prompts in every run.
 
-Usage: python -m tests.connectors.restart_driver MODEL_DIR NVME_DIR OUT_JSON MODE
+Usage: python -m tests.connectors.restart_driver MODEL_DIR NVME_DIR OUT_JSON MODE [TP]
 
 MODE ``first``: vLLM's default multi-process engine (the connector's scheduler side and
 worker in different processes). Serve the prompts, then let the script end: vLLM's own
@@ -11,6 +11,9 @@ tier.
 MODE ``second``: a new engine process on the same configuration, in-process so that the
 worker's counters can be read. Serve the same prompts (hits loaded from the nvme tier),
 then each prompt again under a fresh cache salt (the recompute reference).
+
+TP > 1 (tensor parallelism, two worker processes on the CPU): both modes run vLLM's
+multi-process engine (the only one with several workers), so no counters are read.
 """
 
 from __future__ import annotations
@@ -54,13 +57,13 @@ LOGGING = {
 }
 
 
-def main(model: str, nvme_dir: str, out_path: str, mode: str) -> None:
+def main(model: str, nvme_dir: str, out_path: str, mode: str, tp: str = "1") -> None:
     logging.basicConfig(level=logging.WARNING)
     log_cfg = Path(out_path).with_suffix(".logging.json")
     log_cfg.write_text(json.dumps(LOGGING))
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(log_cfg)
     os.environ.update(
-        VLLM_ENABLE_V1_MULTIPROCESSING="1" if mode == "first" else "0",
+        VLLM_ENABLE_V1_MULTIPROCESSING="1" if mode == "first" or int(tp) > 1 else "0",
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_CPU_OMP_THREADS_BIND="nobind",
     )
@@ -79,6 +82,8 @@ def main(model: str, nvme_dir: str, out_path: str, mode: str) -> None:
         seed=0,
         enforce_eager=True,
         kv_transfer_config=restart_config(nvme_dir),
+        tensor_parallel_size=int(tp),
+        **({"distributed_executor_backend": "mp"} if int(tp) > 1 else {}),
     )
     eng = Engine(llm)
     prompts = [prompt(s, PROMPT_TOKENS) for s in PROMPT_SEEDS]
@@ -86,13 +91,14 @@ def main(model: str, nvme_dir: str, out_path: str, mode: str) -> None:
     runs = [eng.generate(p) for p in prompts]
     r.update(tokens=[x.tokens for x in runs], cached=[x.num_cached_tokens for x in runs])
     if mode == "second":
-        r["totals"] = eng.totals()
-        store = eng.connector.worker.store
-        r["tiers_used"] = {t.name: t.used_bytes for t in store.stats().tiers}
+        if int(tp) == 1:
+            r["totals"] = eng.totals()
+            store = eng.connector.worker.store
+            r["tiers_used"] = {t.name: t.used_bytes for t in store.stats().tiers}
         ref = [eng.generate(p, cache_salt="recompute") for p in prompts]
         r.update(ref=[x.tokens for x in ref], ref_cached=[x.num_cached_tokens for x in ref])
     Path(out_path).write_text(json.dumps(r))
 
 
 if __name__ == "__main__":  # the multi-process engine spawns: keep the guard
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])

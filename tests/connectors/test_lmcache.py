@@ -187,7 +187,7 @@ def test_remote_daemon_down_then_back_serves_misses_then_hits(
         # LMCache keeps serving from its local CPU copy while the daemon is down.
         n, out = e.retrieve(tokens)
         assert n == FULL and _equal(out, kv, n)
-        e.drop_local()
+        e.drop_local(tokens)
         assert e.lookup(tokens) == 0
         n, _ = e.retrieve(tokens)
         assert n == 0

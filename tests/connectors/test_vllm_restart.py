@@ -31,7 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 FULL = 4 * CHUNK  # full chunks of each 300-token prompt
 
 
-def _run(model: str, nvme: Path, out: Path, mode: str, timeout_s: float = 600) -> dict:
+def _run(
+    model: str, nvme: Path, out: Path, mode: str, timeout_s: float = 600, tp: str = "1"
+) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "KVTIER_"))}
     log = out.with_suffix(".log")
     with log.open("wb") as f:
@@ -44,6 +46,7 @@ def _run(model: str, nvme: Path, out: Path, mode: str, timeout_s: float = 600) -
                 str(nvme),
                 str(out),
                 mode,
+                tp,
             ],
             cwd=ROOT,
             env=env,
