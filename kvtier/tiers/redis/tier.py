@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -247,37 +247,53 @@ class RedisTier(Tier):
 
     # -- data movement -------------------------------------------------------------------
 
+    def _pipelined(
+        self,
+        names: list[bytes],
+        item_bytes: int,
+        budget_s: float,
+        step: Callable[[Any, list[int], Op], list[_R]],
+    ) -> list[_R]:
+        """Run ``step`` on batches of at most ``batch_bytes`` of each node's chunks, each on
+        a fresh non-transactional pipeline; chunks of a node that is down, fails or runs
+        past ``budget_s`` are FAILED."""
+
+        def work(client: Any, idx: list[int], op: Op) -> list[_R]:
+            out: list[_R] = []
+            for batch in _batches(idx, item_bytes, self.options.batch_bytes):
+                op.check()
+                out.extend(step(client.pipeline(transaction=False), batch, op))
+            return out
+
+        return self._nodes.execute(names, work, Op(budget_s), _R.FAILED)
+
+    def _failed(self, exc: Exception, reasons: list[str]) -> _R:
+        reasons.append(f"{type(exc).__name__}: {exc}")
+        self._nodes.note_response_error(exc)
+        return _R.FAILED
+
     @override
     def _write(self, run: SlotRun, src: memoryview) -> None:
         names = [self.redis_key(k) for k in run.keys]
         vb = run.value_bytes
-        px = self._px
         reasons: list[str] = []
 
-        def work(client: Any, idx: list[int], op: Op) -> list[_R]:
-            out: list[_R] = []
-            for batch in _batches(idx, vb + wire.HEADER_BYTES, self.options.batch_bytes):
-                op.check()
-                pipe = client.pipeline(transaction=False)
-                with op.guard():  # encode copies from src: never after the caller gave up
-                    for i in batch:
-                        value = wire.encode(
-                            run.keys[i], src[i * vb : (i + 1) * vb], self._ns,
-                            compress=self._compress, width=self.options.codec_element_bytes,
-                        )
-                        pipe.set(names[i], value, px=px)
-                results = pipe.execute(raise_on_error=False)
-                del pipe
-                for r in results:
-                    if isinstance(r, Exception):
-                        reasons.append(f"{type(r).__name__}: {r}")
-                        self._nodes.note_response_error(r)
-                        out.append(_R.FAILED)
-                    else:
-                        out.append(_R.OK)
-            return out
+        def step(pipe: Any, batch: list[int], op: Op) -> list[_R]:
+            with op.guard():  # encode copies from src: never after the caller gave up
+                for i in batch:
+                    value = wire.encode(
+                        run.keys[i], src[i * vb : (i + 1) * vb], self._ns,
+                        compress=self._compress, width=self.options.codec_element_bytes,
+                    )
+                    pipe.set(names[i], value, px=self._px)
+            results = pipe.execute(raise_on_error=False)
+            del pipe  # the encoded values go before the next batch is encoded
+            return [
+                self._failed(r, reasons) if isinstance(r, Exception) else _R.OK for r in results
+            ]
 
-        res = self._nodes.execute(names, work, Op(self.options.write_budget_s), _R.FAILED)
+        item = vb + wire.HEADER_BYTES
+        res = self._pipelined(names, item, self.options.write_budget_s, step)
         bad = sum(r is not _R.OK for r in res)
         if bad:
             why = reasons[0] if reasons else "node down, failing or over budget"
@@ -290,26 +306,21 @@ class RedisTier(Tier):
         px = self._px
         reasons: list[str] = []
 
-        def work(client: Any, idx: list[int], op: Op) -> list[_R]:
-            out: list[_R] = []
-            for batch in _batches(idx, vb + wire.HEADER_BYTES, self.options.batch_bytes):
-                op.check()
-                pipe = client.pipeline(transaction=False)
-                for i in batch:
-                    # GETEX slides the TTL on a hit: hot chunks stay, cold ones expire.
-                    if px is None:
-                        pipe.get(names[i])
-                    else:
-                        pipe.getex(names[i], px=px)
-                values = pipe.execute(raise_on_error=False)
-                with op.guard():  # dst is the caller's: never touched after it gave up
-                    for i, v in zip(batch, values, strict=True):
-                        slot = dst[i * vb : (i + 1) * vb]
-                        out.append(self._decode(run.keys[i], v, slot, reasons))
-                del values
-            return out
+        def step(pipe: Any, batch: list[int], op: Op) -> list[_R]:
+            for i in batch:
+                # GETEX slides the TTL on a hit: hot chunks stay, cold ones expire.
+                if px is None:
+                    pipe.get(names[i])
+                else:
+                    pipe.getex(names[i], px=px)
+            values = pipe.execute(raise_on_error=False)
+            with op.guard():  # dst is the caller's: never touched after it gave up
+                return [
+                    self._decode(run.keys[i], v, dst[i * vb : (i + 1) * vb], reasons)
+                    for i, v in zip(batch, values, strict=True)
+                ]
 
-        res = self._nodes.execute(names, work, Op(self.options.op_budget_s), _R.FAILED)
+        res = self._pipelined(names, vb + wire.HEADER_BYTES, self.options.op_budget_s, step)
         corrupt = [n for n, r in zip(names, res, strict=True) if r is _R.CORRUPT]
         if corrupt:
             # A bad value would fail every reader: remove it so the next put heals it.
@@ -331,9 +342,7 @@ class RedisTier(Tier):
         if value is None:
             return _R.ABSENT
         if isinstance(value, Exception):
-            reasons.append(f"{type(value).__name__}: {value}")
-            self._nodes.note_response_error(value)
-            return _R.FAILED
+            return self._failed(value, reasons)
         try:
             wire.decode_into(key, value, self._ns, dst)
         except CorruptChunkError as exc:
