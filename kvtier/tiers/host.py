@@ -63,30 +63,38 @@ def parallel_copy(dst: np.ndarray, src: np.ndarray, threads: int) -> None:
         f.result()
 
 
+def _values(arena: np.ndarray, slot_bytes: int, run: SlotRun) -> np.ndarray:
+    """The run's values in a flat byte array of slots: one contiguous range when they fill
+    their slots (or there is one), else an (n, value_bytes) view that skips slot padding."""
+    base = run.offset * slot_bytes
+    if run.value_bytes == slot_bytes or run.n == 1:
+        return arena[base : base + run.nbytes]
+    window = arena[base : base + run.n * slot_bytes].reshape(run.n, slot_bytes)
+    return window[:, : run.value_bytes]
+
+
 def copy_in(
     arena: np.ndarray, slot_bytes: int, run: SlotRun, src: memoryview, threads: int = 1
 ) -> None:
     """Copy packed values into consecutive slots of a flat byte array."""
-    base = run.offset * slot_bytes
-    data = np.frombuffer(src, dtype=np.uint8)
-    if run.value_bytes == slot_bytes or run.n == 1:
-        parallel_copy(arena[base : base + run.nbytes], data, threads)
+    slots = _values(arena, slot_bytes, run)
+    packed = np.frombuffer(src, dtype=np.uint8).reshape(slots.shape)
+    if slots.ndim == 1:  # contiguous: worth splitting over threads
+        parallel_copy(slots, packed, threads)
     else:
-        window = arena[base : base + run.n * slot_bytes].reshape(run.n, slot_bytes)
-        window[:, : run.value_bytes] = data.reshape(run.n, run.value_bytes)
+        slots[:] = packed
 
 
 def copy_out(
     arena: np.ndarray, slot_bytes: int, run: SlotRun, dst: memoryview, threads: int = 1
 ) -> None:
     """Copy consecutive slots of a flat byte array out as packed values."""
-    base = run.offset * slot_bytes
-    out = np.frombuffer(dst, dtype=np.uint8)
-    if run.value_bytes == slot_bytes or run.n == 1:
-        parallel_copy(out, arena[base : base + run.nbytes], threads)
+    slots = _values(arena, slot_bytes, run)
+    packed = np.frombuffer(dst, dtype=np.uint8).reshape(slots.shape)
+    if slots.ndim == 1:
+        parallel_copy(packed, slots, threads)
     else:
-        window = arena[base : base + run.n * slot_bytes].reshape(run.n, slot_bytes)
-        out.reshape(run.n, run.value_bytes)[:] = window[:, : run.value_bytes]
+        packed[:] = slots
 
 
 class HostTier(Tier):
