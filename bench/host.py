@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvtier.bench.common import envelope, interleaved, write_json
 from kvtier.enums import Switch
@@ -35,7 +36,7 @@ SIZES_MIB = (2, 4, 8, 16, 32, 64)
 
 
 def one_size(
-    store: TieredStore, big: np.ndarray, rng: np.random.Generator, mib: int, repeat: int
+    store: TieredStore, big: npt.NDArray[Any], rng: np.random.Generator, mib: int, repeat: int
 ) -> tuple[list[dict[str, Any]], bool]:
     """Measure put/get of one extent size against memcpy; returns rows and whether bytes verified."""
     rows: list[dict[str, Any]] = []

@@ -34,6 +34,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
+import numpy.typing as npt
 
 from kvtier.bench.common import Sample, envelope, interleaved, write_json
 from kvtier.keys import ChunkKey
@@ -119,8 +120,8 @@ class Target:
 
 
 def contenders(
-    t: Target, keys: list[ChunkKey], data: np.ndarray, chunk: int
-) -> tuple[dict[str, Fn], dict[str, Fn], dict[str, np.ndarray], Any]:
+    t: Target, keys: list[ChunkKey], data: npt.NDArray[Any], chunk: int
+) -> tuple[dict[str, Fn], dict[str, Fn], dict[str, npt.NDArray[Any]], Any]:
     """(put fns, get fns, get destinations, tier) for kvtier, ceiling and twokey."""
     n = len(keys)
     src = data.data
@@ -188,7 +189,7 @@ def contenders(
     return puts, gets, dst, tier
 
 
-def bench_target(t: Target, data: np.ndarray, chunk: int, repeat: int) -> list[dict[str, Any]]:
+def bench_target(t: Target, data: npt.NDArray[Any], chunk: int, repeat: int) -> list[dict[str, Any]]:
     n = data.nbytes // chunk
     rng = np.random.default_rng(1)
     keys = [ChunkKey(rng.bytes(16)) for _ in range(n)]

@@ -13,9 +13,10 @@ import array
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NewType
+from typing import Any, NewType
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from kvtier.errors import InputError
@@ -26,7 +27,7 @@ except ImportError:  # built without a C compiler: the array module is ~5x slowe
     _pack_i32_c = None
 
 
-def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes | memoryview:
+def token_bytes(token_ids: Sequence[int] | npt.NDArray[Any]) -> bytes | memoryview:
     """Token ids as little-endian int32 bytes: the canonical input of chunk keys."""
     if isinstance(token_ids, np.ndarray):
         if token_ids.ndim != 1:
@@ -87,7 +88,7 @@ class ChunkHasher:
 
     def keys(
         self,
-        token_ids: Sequence[int] | np.ndarray,
+        token_ids: Sequence[int] | npt.NDArray[Any],
         extra: bytes = b"",
         parent: ChunkKey | None = None,
     ) -> list[ChunkKey]:

@@ -20,8 +20,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvtier.config import PlacementConfig, StoreConfig
 from kvtier.errors import InputError
@@ -137,7 +139,7 @@ class SimResult:
     requests_per_s: float
     placement: PlacementStats | None
     reuse: ReuseStats | None
-    ttft_s: np.ndarray = field(repr=False, compare=False)
+    ttft_s: npt.NDArray[Any] = field(repr=False, compare=False)
 
 
 def chunk_recompute_s(trace: Trace, rc: Recompute) -> float:
@@ -276,8 +278,8 @@ def simulate(cfg: SimConfig, trace: Trace) -> SimResult:
 
 
 def _result(cfg: SimConfig, trace: Trace, specs: Sequence[TierSpec], st: object, chunk_bytes: int,
-            chunks: int, hit_tokens: int, tokens: int, gpu_s: float, ttft: np.ndarray,
-            base: np.ndarray, wall: float, rc: Recompute) -> SimResult:
+            chunks: int, hit_tokens: int, tokens: int, gpu_s: float, ttft: npt.NDArray[Any],
+            base: npt.NDArray[Any], wall: float, rc: Recompute) -> SimResult:
     from kvtier.store.types import StoreStats
 
     assert isinstance(st, StoreStats)

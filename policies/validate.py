@@ -16,8 +16,10 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvtier.config import build_dataclass
 from kvtier.enums import Switch
@@ -68,7 +70,7 @@ def _lower_tier(kind: str, cap_bytes: int, slot: int, workdir: Path) -> tuple[Ti
     return CXLTier(TierGeometry("cxl", cap_bytes, slot, MAX_EXTENT), opts_cxl), "cxl (emulated)"
 
 
-def _value(block: int, salt: int, value_bytes: int) -> np.ndarray:
+def _value(block: int, salt: int, value_bytes: int) -> npt.NDArray[Any]:
     return np.random.default_rng((salt, block)).integers(0, 256, value_bytes, dtype=np.uint8)
 
 

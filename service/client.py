@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import httpx
 import numpy as np
+import numpy.typing as npt
 
 from kvtier.errors import InputError, TransportError
 from kvtier.store.types import LookupResult, PutResult
@@ -38,7 +39,7 @@ from .transport import HTTP11Transport
 T = TypeVar("T")
 
 DEFAULT_URL = "http://127.0.0.1:8470"
-Buffer = memoryview | bytearray | np.ndarray
+Buffer = memoryview | bytearray | npt.NDArray[Any]
 
 
 def _writable(buf: Buffer) -> memoryview:

@@ -45,9 +45,10 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from .keys import rank_keys
 
@@ -109,7 +110,7 @@ class KeyFilter:
         m, k = self.counters.size, self.hashes
         return float((1.0 - math.exp(-k * n / m)) ** k)
 
-    def _positions(self, keys: Sequence[bytes]) -> np.ndarray:
+    def _positions(self, keys: Sequence[bytes]) -> npt.NDArray[Any]:
         raw = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2)
         h1, h2 = raw[:, 0:1], raw[:, 1:2] | np.uint64(1)
         steps = np.arange(self.hashes, dtype=np.uint64)[None, :]

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from kvtier.errors import ConfigError, InputError, KVTierError
 from kvtier.store.types import GetResult, LookupResult, PutResult
@@ -181,7 +182,7 @@ class RemoteStore:
         self._ok()
         return res
 
-    def get(self, keys: Sequence[bytes], dst: np.ndarray) -> Future[GetResult]:
+    def get(self, keys: Sequence[bytes], dst: npt.NDArray[Any]) -> Future[GetResult]:
         """Copy the leading run of present chunks into ``dst`` (packed), synchronously."""
         if not keys or not self._available():
             return _done(GetResult(0, 0, (), ()))
@@ -193,7 +194,7 @@ class RemoteStore:
         self._ok()
         return _done(GetResult(got.chunks, got.nbytes, got.value_bytes, (TIER_NAME,) * got.chunks))
 
-    def put(self, keys: Sequence[bytes], data: np.ndarray) -> Future[PutResult]:
+    def put(self, keys: Sequence[bytes], data: npt.NDArray[Any]) -> Future[PutResult]:
         """Store ``len(keys)`` chunks packed in ``data``; a dropped save counts as failed."""
         n = len(keys)
         if not n:

@@ -17,8 +17,10 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -50,7 +52,7 @@ DEMO_SUBDIR = "demo-nvme"
 class DemoRequest:
     """One replayed prompt: its token ids, derived from the trace's block ids."""
 
-    tokens: np.ndarray
+    tokens: npt.NDArray[Any]
     input_length: int
 
 
@@ -83,7 +85,7 @@ def _demo_sized(cfg: KVTierConfig) -> KVTierConfig:
     return dataclasses.replace(cfg, tiers=(top, *cfg.tiers[1:]))
 
 
-def _block_tokens(block_id: int) -> np.ndarray:
+def _block_tokens(block_id: int) -> npt.NDArray[Any]:
     return np.random.default_rng(block_id).integers(
         0, 128000, size=TRACE_BLOCK_TOKENS, dtype=np.int32
     )
@@ -98,7 +100,7 @@ class ChunkBytes:
         self.pool = np.random.default_rng(seed).integers(0, 256, size=pool, dtype=np.uint8)
         self._span = pool - chunk_bytes
 
-    def fill(self, key: ChunkKey, out: np.ndarray) -> None:
+    def fill(self, key: ChunkKey, out: npt.NDArray[Any]) -> None:
         start = (int.from_bytes(key[:8], "little") % (self._span // 64)) * 64
         out[:] = self.pool[start : start + self.chunk_bytes]
         out[:16] = np.frombuffer(key, dtype=np.uint8)

@@ -35,9 +35,10 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from kvtier.errors import ClosedError, InputError, NotDurableError, TierError
 from kvtier.keys import ChunkKey, check_keys
@@ -54,7 +55,7 @@ from kvtier.store.types import (
 )
 from kvtier.tiers.base import Tier
 
-Buffer = memoryview | bytes | bytearray | np.ndarray
+Buffer = memoryview | bytes | bytearray | npt.NDArray[Any]
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from typing_extensions import override
 
 from kvtier.enums import Switch
@@ -44,7 +46,7 @@ def _pool(threads: int) -> ThreadPoolExecutor:
         return _copy_pool
 
 
-def parallel_copy(dst: np.ndarray, src: np.ndarray, threads: int) -> None:
+def parallel_copy(dst: npt.NDArray[Any], src: npt.NDArray[Any], threads: int) -> None:
     """``dst[:] = src`` for flat byte arrays, split into ``threads`` pieces when large.
 
     numpy releases the GIL while it copies, so the pieces run on separate cores.
@@ -63,7 +65,7 @@ def parallel_copy(dst: np.ndarray, src: np.ndarray, threads: int) -> None:
         f.result()
 
 
-def _values(arena: np.ndarray, slot_bytes: int, run: SlotRun) -> np.ndarray:
+def _values(arena: npt.NDArray[Any], slot_bytes: int, run: SlotRun) -> npt.NDArray[Any]:
     """The run's values in a flat byte array of slots: one contiguous range when they fill
     their slots (or there is one), else an (n, value_bytes) view that skips slot padding."""
     base = run.offset * slot_bytes
@@ -74,7 +76,7 @@ def _values(arena: np.ndarray, slot_bytes: int, run: SlotRun) -> np.ndarray:
 
 
 def copy_in(
-    arena: np.ndarray, slot_bytes: int, run: SlotRun, src: memoryview, threads: int = 1
+    arena: npt.NDArray[Any], slot_bytes: int, run: SlotRun, src: memoryview, threads: int = 1
 ) -> None:
     """Copy packed values into consecutive slots of a flat byte array."""
     slots = _values(arena, slot_bytes, run)
@@ -86,7 +88,7 @@ def copy_in(
 
 
 def copy_out(
-    arena: np.ndarray, slot_bytes: int, run: SlotRun, dst: memoryview, threads: int = 1
+    arena: npt.NDArray[Any], slot_bytes: int, run: SlotRun, dst: memoryview, threads: int = 1
 ) -> None:
     """Copy consecutive slots of a flat byte array out as packed values."""
     slots = _values(arena, slot_bytes, run)

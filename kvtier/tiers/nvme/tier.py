@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 from typing_extensions import override
 
@@ -491,7 +492,7 @@ class NVMeTier(Tier):
             direct_ok = vb == sb and (not self.engine.direct[f] or is_aligned(chunk))
 
             def prepare(
-                chunk: np.ndarray = chunk, j: int = j, m: int = m, direct_ok: bool = direct_ok
+                chunk: npt.NDArray[Any] = chunk, j: int = j, m: int = m, direct_ok: bool = direct_ok
             ) -> Any:
                 for k in range(m):
                     sums[j + k] = _sum(chunk[k * vb : (k + 1) * vb])
@@ -568,12 +569,12 @@ class NVMeTier(Tier):
             nbytes = m * sb if not (m == 1 and vb < sb) else align_up(group[0].stored_bytes, PAGE)  # type: ignore[union-attr]
 
             def prepare(
-                target: np.ndarray = target, n: int = nbytes, direct_ok: bool = direct_ok
+                target: npt.NDArray[Any] = target, n: int = nbytes, direct_ok: bool = direct_ok
             ) -> Any:
                 return target if direct_ok else self._bufs.get(n)
 
             def done(
-                buf: Any, group: list[Entry | None] = group, target: np.ndarray = target
+                buf: Any, group: list[Entry | None] = group, target: npt.NDArray[Any] = target
             ) -> None:
                 src = np.frombuffer(buf, dtype=np.uint8)
                 for k, e in enumerate(group):
@@ -603,7 +604,7 @@ class NVMeTier(Tier):
     def _encoder(
         self,
         req: IORequest,
-        chunk: np.ndarray,
+        chunk: npt.NDArray[Any],
         j: int,
         sums: list[int],
         stored: list[int],
@@ -621,7 +622,7 @@ class NVMeTier(Tier):
 
         return prepare
 
-    def _decoder(self, e: Entry, target: np.ndarray) -> Any:
+    def _decoder(self, e: Entry, target: npt.NDArray[Any]) -> Any:
         def done(buf: Any) -> None:
             payload = np.frombuffer(buf, dtype=np.uint8, count=e.stored_bytes)
             if _sum(payload) != e.checksum:
@@ -745,5 +746,5 @@ def _unlock(fd: int) -> None:
         os.close(fd)  # closing the descriptor drops the flock
 
 
-def _sum(data: np.ndarray) -> int:
+def _sum(data: npt.NDArray[Any]) -> int:
     return xxhash.xxh3_64_intdigest(memoryview(data))  # type: ignore[arg-type]
