@@ -2,7 +2,7 @@
 
 Usage: ``python nvme_crash_child.py DIR FIRST_ID SEED [DURABILITY]``. Prints ``READY`` once the
 store is open, ``A <first> <n>`` after each acknowledged put of chunks ``first ..
-first+n-1`` and ``D <first> <n>`` after deleting them. Chunk ``i`` holds
+first+n-1`` and ``D <first> <n>`` before deleting them. Chunk ``i`` holds
 ``tests.tiers.nvme.conftest.value(i)``, so the parent can verify every byte.
 """
 
@@ -56,9 +56,12 @@ def main() -> None:
             pending = []
         while n_live > LIVE_LIMIT:
             start, cnt = live.popleft()
+            # Announced before the delete: under "sync" a delete returns once its records
+            # are durable, so a kill between that and a later print would make the parent
+            # count chunks this child deleted as acknowledged and lost.
+            print(f"D {start} {cnt}", flush=True)
             store.delete([key(j) for j in range(start, start + cnt)])
             n_live -= cnt
-            print(f"D {start} {cnt}", flush=True)
 
 
 if __name__ == "__main__":
