@@ -1,0 +1,43 @@
+"""LMCache's plug points, tested in a pytest process of their own (tests/lmcache/).
+
+Importing lmcache imports numba and llvmlite; vLLM 0.32 then fails to build an in-process
+engine (its triton dispatcher scans every module and trips over an llvmlite object), and
+pytest imports every test module before the first test runs. So the LMCache tests live
+outside this session's collection and run here, in a child pytest, where nothing else
+builds a vLLM engine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+if importlib.util.find_spec("lmcache") is None:
+    pytest.skip("LMCache is not installed (pip install 'kvtier[lmcache]')", allow_module_level=True)
+
+
+@pytest.mark.slow
+def test_lmcache_plug_points(tmp_path: Path) -> None:
+    env = {**os.environ, "KVTIER_LMCACHE_TESTS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-rA",
+        f"--basetemp={tmp_path / 'bt'}",
+        "tests/lmcache",
+    ]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    out = run.stdout[-20000:] + run.stderr[-5000:]
+    assert run.returncode == 0, out
+    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], out
