@@ -24,14 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
 from lmcache.v1.metadata import LMCacheMetadata
 
-from tests.service.conftest import Daemon, free_port, kvtier_cmd
+from tests.service.conftest import Daemon, free_port, kvtier_cmd, wait_ready
 
 CHUNK = 16
 LAYERS, HEADS, HEAD_SIZE = 2, 2, 8
@@ -224,18 +223,7 @@ def nvme_daemon(directory: Path, port: int | None = None) -> Daemon:
             env=env,
         )
     d = Daemon(f"http://127.0.0.1:{port}", proc, log)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"daemon exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{d.url}/readyz", timeout=1).status_code == 200:
-                return d
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    d.stop()
-    raise RuntimeError(f"daemon did not become ready:\n{log.read_text()}")
+    return wait_ready(d)
 
 
 REMOTE = "RemoteBackend-kvtier"

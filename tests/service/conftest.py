@@ -88,6 +88,12 @@ def start_daemon(
             env=env,
         )
     d = Daemon(f"http://127.0.0.1:{port}", proc, log, dict(tokens or {}))
+    return wait_ready(d)
+
+
+def wait_ready(d: Daemon) -> Daemon:
+    """Wait until a started daemon answers /readyz; stop it and raise with its log if not."""
+    proc, log = d.proc, d.log
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
