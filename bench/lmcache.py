@@ -154,8 +154,8 @@ class _Engines:
 
         self.connector = Copy
 
-    @contextmanager
-    def engine(self, config: dict[str, Any]) -> Iterator[Any]:
+    def open(self, config: dict[str, Any]) -> tuple[str, Any]:
+        """A new engine over ``config``: (its name, the engine)."""
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.metadata import LMCacheMetadata
@@ -186,17 +186,27 @@ class _Engines:
             lambda o, r: o,
         )
         eng.post_init()
+        return name, eng
+
+    def close(self, name: str) -> None:
+        from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+        # LMCache 0.5.6's redis connector can hang in close(): bound the wait, note
+        # it, and go on (main() then exits without waiting for LMCache's threads).
+        t = threading.Thread(target=LMCacheEngineBuilder.destroy, args=(name,), daemon=True)
+        t.start()
+        t.join(60)
+        if t.is_alive():
+            self.stuck.append(name)
+            print(f"  (LMCache did not close engine {name} within 60 s)", flush=True)
+
+    @contextmanager
+    def engine(self, config: dict[str, Any]) -> Iterator[Any]:
+        name, eng = self.open(config)
         try:
             yield eng
         finally:
-            # LMCache 0.5.6's redis connector can hang in close(): bound the wait, note
-            # it, and go on (main() then exits without waiting for LMCache's threads).
-            t = threading.Thread(target=LMCacheEngineBuilder.destroy, args=(name,), daemon=True)
-            t.start()
-            t.join(60)
-            if t.is_alive():
-                self.stuck.append(name)
-                print(f"  (LMCache did not close engine {name} within 60 s)", flush=True)
+            self.close(name)
 
 
 @dataclass
@@ -220,47 +230,68 @@ def _wait_held(eng: Any, tokens: list[int], backend: str, timeout_s: float = 120
         time.sleep(0.01)
 
 
-def _run_backend(
-    engines: _Engines, b: _Backend, tokens: list[int], kv: Any, repeat: int
-) -> dict[str, Any]:
-    torch = engines.torch
+def _store(engines: _Engines, b: _Backend, tokens: list[int], kv: Any) -> dict[str, Any]:
+    """Open ``b``'s engine and store the prompt until the backend holds every chunk."""
     nbytes = len(tokens) * TOKEN_BYTES
     row: dict[str, Any] = {"backend": b.name, "durability": b.durability, "bytes": nbytes}
-    with engines.engine(b.config()) as eng:
-        t0 = time.perf_counter()
-        eng.store(tokens, kv=kv)
-        held = _wait_held(eng, tokens, b.backend)
-        store_s = time.perf_counter() - t0
-        row["stored_tokens"] = held
-        row["store_GBps"] = nbytes / store_s / 1e9
-        times: list[float] = []
-        got: list[int] = []
-        ok = True
-        for _ in range(repeat + 1):  # the first is a warm-up
-            eng.clear(locations=["LocalCPUBackend"])
-            out = torch.zeros(nbytes, dtype=torch.uint8)
-            t0 = time.perf_counter()
-            mask = eng.retrieve(tokens, out=out)
-            times.append(time.perf_counter() - t0)
-            n = int(mask.sum()) * TOKEN_BYTES
-            got.append(n // TOKEN_BYTES)
-            # Correctness over what came back; a short retrieve shows in retrieved_tokens.
-            ok = ok and bool(torch.equal(out[:n], kv[:n]))
-        row["retrieved_tokens"] = min(got)
-        row["complete"] = held == len(tokens) and min(got) == len(tokens)
-        row["retrieve_s"] = {
-            "median": statistics.median(times[1:]),
-            "min": min(times[1:]),
-            "max": max(times[1:]),
-        }
-        row["retrieve_GBps"] = min(got) * TOKEN_BYTES / row["retrieve_s"]["median"] / 1e9
-        row["bytes_equal"] = ok
-        b.before_close()
+    name, eng = engines.open(b.config())
+    row["_engine"] = (name, eng)
+    t0 = time.perf_counter()
+    eng.store(tokens, kv=kv)
+    held = _wait_held(eng, tokens, b.backend)
+    row["stored_tokens"] = held
+    row["store_GBps"] = nbytes / (time.perf_counter() - t0) / 1e9
+    row["_times"], row["_got"], row["bytes_equal"] = [], [], True
+    return row
+
+
+def _retrieve(engines: _Engines, row: dict[str, Any], tokens: list[int], kv: Any) -> float:
+    """One retrieve from the backend (LMCache's local CPU copy dropped first); seconds."""
+    torch = engines.torch
+    eng = row["_engine"][1]
+    eng.clear(locations=["LocalCPUBackend"])
+    out = torch.zeros(len(tokens) * TOKEN_BYTES, dtype=torch.uint8)
+    t0 = time.perf_counter()
+    mask = eng.retrieve(tokens, out=out)
+    dt = time.perf_counter() - t0
+    n = int(mask.sum()) * TOKEN_BYTES
+    # Correctness over what came back; a short retrieve shows in retrieved_tokens.
+    row["bytes_equal"] = row["bytes_equal"] and bool(torch.equal(out[:n], kv[:n]))
+    row["_got"].append(n // TOKEN_BYTES)
+    return dt
+
+
+def _finish(engines: _Engines, b: _Backend, row: dict[str, Any], tokens: list[int]) -> None:
+    """Summarise the retrieves, close the engine, restart the backend, look up again."""
+    times, got = row.pop("_times"), row.pop("_got")
+    row["retrieved_tokens"] = min(got)
+    row["complete"] = row["stored_tokens"] == len(tokens) and min(got) == len(tokens)
+    row["retrieve_s"] = {
+        "median": statistics.median(times),
+        "min": min(times),
+        "max": max(times),
+        "all": times,
+    }
+    row["retrieve_GBps"] = min(got) * TOKEN_BYTES / row["retrieve_s"]["median"] / 1e9
+    b.before_close()
+    engines.close(row.pop("_engine")[0])
     b.restart()
     with engines.engine(b.config()) as eng:
         hit = int(eng.lookup(tokens))
     row["hit_rate_after_restart"] = hit / len(tokens)
-    return row
+
+
+def _round_ratios(rows: list[dict[str, Any]], ours: str, theirs: str) -> dict[str, float]:
+    """Retrieve-throughput ratio ours/theirs per round (same round = same moment's load)."""
+    a = next(r for r in rows if r["backend"] == ours)
+    b = next(r for r in rows if r["backend"] == theirs)
+    per = [tb / ta for ta, tb in zip(a["retrieve_s"]["all"], b["retrieve_s"]["all"], strict=True)]
+    return {
+        "median": statistics.median(per),
+        "min": min(per),
+        "max": max(per),
+        "of_medians": b["retrieve_s"]["median"] / a["retrieve_s"]["median"],
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -368,43 +399,60 @@ def main(argv: list[str]) -> int:
             stop_redis,
         ),
     ]
+    chosen = [b for b in backends if not args.only or b.name in args.only]
     rows: list[dict[str, Any]] = []
     try:
-        for b in backends:
-            if args.only and b.name not in args.only:
-                continue
-            rows.append(_run_backend(engines, b, tokens, kv, args.repeat))
-            r = rows[-1]
+        for b in chosen:
+            rows.append(_store(engines, b, tokens, kv))
+            print(f"{b.name:18} store {rows[-1]['store_GBps']:6.2f} GB/s", flush=True)
+        for r in rows:  # warm-up, not timed
+            _retrieve(engines, r, tokens, kv)
+        # Round-robin: each round retrieves once from every backend, the order rotating,
+        # so all backends see the same moments of this shared machine's load.
+        for k in range(args.repeat):
+            for r in rows[k % len(rows) :] + rows[: k % len(rows)]:
+                r["_times"].append(_retrieve(engines, r, tokens, kv))
+        for b, r in zip(chosen, rows, strict=True):
+            _finish(engines, b, r, tokens)
             print(
-                f"{r['backend']:18} store {r['store_GBps']:6.2f} GB/s  retrieve {r['retrieve_GBps']:6.2f} GB/s  "
-                f"complete {r['complete']}  bytes equal {r['bytes_equal']}  hits after restart {r['hit_rate_after_restart']:.0%}",
+                f"{r['backend']:18} retrieve {r['retrieve_GBps']:6.2f} GB/s  "
+                f"complete {r['complete']}  bytes equal {r['bytes_equal']}  "
+                f"hits after restart {r['hit_rate_after_restart']:.0%}",
                 flush=True,
             )
     finally:
+        for r in rows:
+            if "_engine" in r:
+                engines.close(r.pop("_engine")[0])
         state["daemon"].stop()
         state["redis"].stop()
-    by = {r["backend"]: r for r in rows}
-    ratios: dict[str, float] = {}
+    ratios: dict[str, dict[str, float]] = {}
     disk = [
         r
         for r in rows
         if r["durability"].startswith("files") and r["backend"].startswith("lmcache")
     ]
+    names = {r["backend"] for r in rows}
     if disk:
         best = max(disk, key=lambda r: r["retrieve_GBps"])
-        for k in ("kvtier-remote", "kvtier-embedded"):
-            if k in by:
-                ratios[f"{k}_retrieve_vs_{best['backend']}"] = (
-                    by[k]["retrieve_GBps"] / best["retrieve_GBps"]
+        for ours in ("kvtier-remote", "kvtier-embedded"):
+            if ours in names:
+                ratios[f"{ours}_retrieve_vs_{best['backend']}"] = _round_ratios(
+                    rows, ours, best["backend"]
                 )
-    if "kvtier-remote" in by and by.get("lmcache-redis", {}).get("retrieve_GBps"):
-        ratios["kvtier-remote_retrieve_vs_lmcache-redis"] = (
-            by["kvtier-remote"]["retrieve_GBps"] / by["lmcache-redis"]["retrieve_GBps"]
+    if "kvtier-remote" in names and "lmcache-redis" in names:
+        ratios["kvtier-remote_retrieve_vs_lmcache-redis"] = _round_ratios(
+            rows, "kvtier-remote", "lmcache-redis"
         )
-    for k, v in ratios.items():
-        print(f"{k}: {v:.2f}x")
+    for what, v in ratios.items():
+        print(
+            f"{what}: {v['median']:.2f}x (per-round median; min {v['min']:.2f}, max "
+            f"{v['max']:.2f}; ratio of medians {v['of_medians']:.2f})"
+        )
     verified = all(r["bytes_equal"] for r in rows)
-    payload = envelope("lmcache", rows, ratios=ratios, verified=verified, chunks=args.chunks)
+    payload = envelope(
+        "lmcache", rows, ratios=ratios, verified=verified, chunks=args.chunks, repeat=args.repeat
+    )
     write_json(args.json, {**payload, "engines_not_closed": engines.stuck})
     rc = 0 if verified else 1
     if engines.stuck:  # LMCache's stuck threads would keep the interpreter from exiting

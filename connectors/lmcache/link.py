@@ -77,6 +77,9 @@ class DaemonLink:
         self._last_log = -LOG_EVERY_S
         self._failures = 0
         self.failures_total = 0
+        # Chunks the daemon answered for but did not keep (full store, tier errors).
+        self.dropped_total = 0
+        self._last_drop_log = -LOG_EVERY_S
         # The daemon's largest value (None until it answered once).
         self.max_value_bytes: int | None = None
         self._adopt_limits()
@@ -162,15 +165,26 @@ class DaemonLink:
 
     def get_into(self, key: ChunkKey, dst: memoryview) -> int:
         """Copy one value into ``dst``; its length in bytes, or 0 for a miss."""
-        if not self.available():
-            return 0
+        got = self.get_into_many([key], dst)
+        return got[0] if got else 0
+
+    def get_into_many(self, keys: Sequence[ChunkKey], dst: memoryview) -> tuple[int, ...]:
+        """Copy the leading present values of ``keys`` into ``dst``, packed.
+
+        Returns:
+            the length in bytes of each value copied, in key order (empty: a miss, or
+            the daemon could not be asked).
+        """
+        if not keys or not self.available():
+            return ()
         try:
-            got = self._client.get_into([key], dst)
+            got = self._client.get_into(list(keys), dst)
         except KVTierError as exc:
-            self._failed("load", exc)
-            return 0
+            self._failed(f"load of {len(keys)} chunks", exc)
+            return ()
         self._ok()
-        return got.nbytes if got.chunks == 1 else 0
+        lengths: tuple[int, ...] = got.value_bytes
+        return lengths
 
     def put(self, key: ChunkKey, value: memoryview) -> bool:
         """Store one value; True when the daemon holds it afterwards."""
@@ -195,15 +209,32 @@ class DaemonLink:
             return None
         self._ok()
         if res.rejected or res.failed:
-            log.debug(
-                "kvtier daemon %s kept %d of %d chunks (%d rejected, %d failed)",
+            self._dropped(res, len(keys))
+        return res
+
+    def _dropped(self, res: PutResult, asked: int) -> None:
+        """Say, at most once per LOG_EVERY_S, that the daemon kept fewer chunks than sent.
+
+        Not a link failure (the daemon answered): the breaker stays closed, lookups of
+        the dropped chunks are misses, and LMCache keeps its other copies.
+        """
+        now = time.monotonic()
+        with self._lock:
+            self.dropped_total += res.rejected + res.failed
+            speak = now - self._last_drop_log >= LOG_EVERY_S
+            if speak:
+                self._last_drop_log = now
+        if speak:
+            log.warning(
+                "kvtier daemon %s kept %d of %d chunks: %d rejected (its store is full or "
+                "its placement declined them), %d failed (a tier error: see the daemon's "
+                "log); those chunks will miss",
                 self.settings.url,
                 res.stored + res.present,
-                len(keys),
+                asked,
                 res.rejected,
                 res.failed,
             )
-        return res
 
     def delete(self, key: ChunkKey) -> bool:
         if not self.available():
