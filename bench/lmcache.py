@@ -4,22 +4,28 @@ Usage: ``kvtier bench lmcache [--chunks N] [--repeat R] [--json F]``
 
 One real LMCache 0.5.6 engine per backend (Llama-3-8B geometry: 32 layers, 8 KV heads
 of 128, bf16, 256-token chunks = 32 MiB each), the same prompt and the same random KV
-bytes for every backend, run one after the other in one process:
+bytes for every backend, all engines open at once in one process:
 
 * ``kvtier-remote``: ``KVTierRemoteConnector`` to a ``kvtier serve`` daemon whose one
   tier is nvme (``durability = "none"``, buffered I/O);
+* ``kvtier-remote-host``: the same connector to a daemon whose one tier is host memory;
 * ``kvtier-embedded``: ``KVTierStoragePlugin`` with the same nvme tier in-process;
 * ``lmcache-localdisk``: LMCache's ``LocalDiskBackend`` (``local_disk: file://``);
 * ``lmcache-fs``: LMCache's ``fs`` remote connector (one file per chunk);
 * ``lmcache-redis``: LMCache's ``redis`` remote connector on a real ``redis-server``.
 
-The first four keep chunks in files written through the OS page cache without fsync
-(one durability class); Redis keeps them in memory. Per backend: store throughput
+Durability classes: ``kvtier-remote``, ``kvtier-embedded``, ``lmcache-localdisk`` and
+``lmcache-fs`` keep chunks in files written through the OS page cache without fsync;
+``kvtier-remote-host`` and ``lmcache-redis`` keep them in memory. Each kvtier row is
+compared with the best LMCache row of its class. Per backend: store throughput
 (``engine.store`` until the backend holds every chunk), retrieve throughput (LMCache's
-local CPU copy dropped before each retrieve, so bytes come from the backend; median of
-``--repeat``, every retrieve checked byte for byte), and the hit rate after destroying
-the engine and restarting its backend (daemon or redis-server stopped and started;
-files left where they are). The GPU side is a CPU copy (LMCache's mock GPU connector
+local CPU copy dropped before each retrieve, so bytes come from the backend; every
+retrieve checked byte for byte), and the hit rate after destroying the engine and
+restarting its backend (daemon or redis-server stopped and started; files left where
+they are). Retrieves run in ``--repeat`` rounds after a warm-up, each round one
+retrieve per backend in a rotating order, so every backend sees the same moments of a
+shared machine's load; a ratio is reported as the median of the per-round ratios with
+their min and max. The GPU side is a CPU copy (LMCache's mock GPU connector
 plus the copy), the same for every backend.
 """
 
@@ -70,6 +76,25 @@ def _nvme_toml(directory: Path, capacity_bytes: int) -> str:
             "",
             "[service]",
             f'data_dir = "{directory}"',
+            f"max_value_bytes = {CHUNK * TOKEN_BYTES}",
+            f"max_body_bytes = {4 * CHUNK * TOKEN_BYTES}",
+            "",
+        ]
+    )
+
+
+def _host_toml(capacity_bytes: int) -> str:
+    """A daemon whose one tier is host memory (no data_dir: nothing outlives it)."""
+    return "\n".join(
+        [
+            "[[tiers]]",
+            'kind = "host"',
+            f"capacity_bytes = {capacity_bytes}",
+            "",
+            "[store]",
+            'placement = "keep"',
+            "",
+            "[service]",
             f"max_value_bytes = {CHUNK * TOKEN_BYTES}",
             f"max_body_bytes = {4 * CHUNK * TOKEN_BYTES}",
             "",
@@ -281,6 +306,19 @@ def _finish(engines: _Engines, b: _Backend, row: dict[str, Any], tokens: list[in
     row["hit_rate_after_restart"] = hit / len(tokens)
 
 
+def _verify_s(kv: Any) -> float:
+    """Seconds of the check kvtier's nvme tier does on every read and LMCache's file
+    backends do not: one xxh3_64 per chunk over the same bytes (a reference figure)."""
+    import xxhash
+
+    view = kv.numpy().data
+    step = CHUNK * TOKEN_BYTES
+    t0 = time.perf_counter()
+    for off in range(0, len(view), step):
+        xxhash.xxh3_64_intdigest(view[off : off + step])
+    return time.perf_counter() - t0
+
+
 def _round_ratios(rows: list[dict[str, Any]], ours: str, theirs: str) -> dict[str, float]:
     """Retrieve-throughput ratio ours/theirs per round (same round = same moment's load)."""
     a = next(r for r in rows if r["backend"] == ours)
@@ -324,14 +362,21 @@ def main(argv: list[str]) -> int:
     (tmp / "daemon" / "kvtier.toml").write_text(_nvme_toml(tmp / "daemon", capacity))
     (tmp / "embedded").mkdir()
     (tmp / "embedded" / "kvtier.toml").write_text(_nvme_toml(tmp / "embedded", capacity))
-    port = _free_port()
+    (tmp / "daemon-host").mkdir()
+    (tmp / "daemon-host" / "kvtier.toml").write_text(_host_toml(capacity))
+    port, host_port = _free_port(), _free_port()
     state: dict[str, Any] = {"daemon": _serve(tmp / "daemon", port)}
+    state["daemon-host"] = _serve(tmp / "daemon-host", host_port)
     redis = RedisServer(tmp / "redis").start()
     state["redis"] = redis
 
     def restart_daemon() -> None:
         state["daemon"].stop()
         state["daemon"] = _serve(tmp / "daemon", port)
+
+    def restart_host_daemon() -> None:
+        state["daemon-host"].stop()
+        state["daemon-host"] = _serve(tmp / "daemon-host", host_port)
 
     def stop_redis() -> None:
         state["redis"].stop()
@@ -342,22 +387,32 @@ def main(argv: list[str]) -> int:
     def nothing() -> None:
         return None
 
+    def remote(daemon: str) -> dict[str, Any]:
+        return {
+            "remote_storage_plugins": ["kvtier"],
+            "extra_config": {
+                "remote_storage_plugin.kvtier.module_path": "kvtier.connectors.lmcache",
+                "remote_storage_plugin.kvtier.class_name": "KVTierRemoteConnector",
+                "remote_storage_plugin.kvtier.url": state[daemon].url,
+                "remote_storage_plugin.kvtier.timeout_s": 60.0,
+            },
+        }
+
     disk_gb = 2 * nbytes / 2**30
     backends = [
         _Backend(
             "kvtier-remote",
             "files, no fsync",
-            lambda: {
-                "remote_storage_plugins": ["kvtier"],
-                "extra_config": {
-                    "remote_storage_plugin.kvtier.module_path": "kvtier.connectors.lmcache",
-                    "remote_storage_plugin.kvtier.class_name": "KVTierRemoteConnector",
-                    "remote_storage_plugin.kvtier.url": state["daemon"].url,
-                    "remote_storage_plugin.kvtier.timeout_s": 60.0,
-                },
-            },
+            lambda: remote("daemon"),
             "RemoteBackend-kvtier",
             restart_daemon,
+        ),
+        _Backend(
+            "kvtier-remote-host",
+            "memory",
+            lambda: remote("daemon-host"),
+            "RemoteBackend-kvtier",
+            restart_host_daemon,
         ),
         _Backend(
             "kvtier-embedded",
@@ -401,6 +456,7 @@ def main(argv: list[str]) -> int:
     ]
     chosen = [b for b in backends if not args.only or b.name in args.only]
     rows: list[dict[str, Any]] = []
+    verify: list[float] = []
     try:
         for b in chosen:
             rows.append(_store(engines, b, tokens, kv))
@@ -412,6 +468,7 @@ def main(argv: list[str]) -> int:
         for k in range(args.repeat):
             for r in rows[k % len(rows) :] + rows[: k % len(rows)]:
                 r["_times"].append(_retrieve(engines, r, tokens, kv))
+            verify.append(_verify_s(kv))
         for b, r in zip(chosen, rows, strict=True):
             _finish(engines, b, r, tokens)
             print(
@@ -425,6 +482,7 @@ def main(argv: list[str]) -> int:
             if "_engine" in r:
                 engines.close(r.pop("_engine")[0])
         state["daemon"].stop()
+        state["daemon-host"].stop()
         state["redis"].stop()
     ratios: dict[str, dict[str, float]] = {}
     disk = [
@@ -440,18 +498,31 @@ def main(argv: list[str]) -> int:
                 ratios[f"{ours}_retrieve_vs_{best['backend']}"] = _round_ratios(
                     rows, ours, best["backend"]
                 )
-    if "kvtier-remote" in names and "lmcache-redis" in names:
-        ratios["kvtier-remote_retrieve_vs_lmcache-redis"] = _round_ratios(
-            rows, "kvtier-remote", "lmcache-redis"
-        )
+    if "lmcache-redis" in names:  # the memory class: LMCache's redis connector
+        for ours in ("kvtier-remote-host", "kvtier-remote"):
+            if ours in names:
+                ratios[f"{ours}_retrieve_vs_lmcache-redis"] = _round_ratios(
+                    rows, ours, "lmcache-redis"
+                )
     for what, v in ratios.items():
         print(
             f"{what}: {v['median']:.2f}x (per-round median; min {v['min']:.2f}, max "
             f"{v['max']:.2f}; ratio of medians {v['of_medians']:.2f})"
         )
     verified = all(r["bytes_equal"] for r in rows)
+    verify_s = statistics.median(verify) if rows and args.repeat else None
+    if verify_s:
+        print(
+            f"xxh3 over the prompt's bytes (kvtier's read check): {nbytes / verify_s / 1e9:.2f} GB/s"
+        )
     payload = envelope(
-        "lmcache", rows, ratios=ratios, verified=verified, chunks=args.chunks, repeat=args.repeat
+        "lmcache",
+        rows,
+        ratios=ratios,
+        verified=verified,
+        chunks=args.chunks,
+        repeat=args.repeat,
+        checksum_s=verify_s,
     )
     write_json(args.json, {**payload, "engines_not_closed": engines.stuck})
     rc = 0 if verified else 1
