@@ -160,6 +160,13 @@ class ServiceConfig:
     data_dir: str = ""
     # Capacity of the nvme tier that data_dir adds.
     data_capacity_bytes: int = 8 * GiB
+    # Unix socket of the same-host channel (clients on this machine exchange values
+    # through shared memory they create; docs/operations.md). "auto": a fresh private
+    # directory (mode 0700) in $XDG_RUNTIME_DIR or the temp dir, removed at shutdown;
+    # a path: that socket (its directory made 0700); "": off, HTTP only.
+    socket: str = "auto"
+    # Largest shared-memory region one same-host client may hand the daemon to map.
+    socket_max_region_bytes: int = 1 * GiB
 
 
 @dataclass(frozen=True, slots=True)
