@@ -269,7 +269,7 @@ class SameHostServer:
                 fds = _fds(anc)
                 try:
                     if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-                        raise Refused(w.Status.BAD_REQUEST, "frame or descriptors over the bound")
+                        raise Refused(w.Status.TOO_LARGE, "frame or descriptors over the bound")
                     tenant = self._handle(conn, msg, fds, tenant, regions)
                 except (Refused, KVTierError) as exc:
                     # A store failure (closing, a sync commit on a full disk) is the
@@ -402,7 +402,7 @@ class SameHostServer:
     def _keys(self, payload: bytes, count: int) -> list[ChunkKey]:
         if count > self.d.limits.max_batch_keys:
             raise Refused(
-                w.Status.BAD_REQUEST,
+                w.Status.TOO_LARGE,
                 f"{count} keys; the limit is {self.d.limits.max_batch_keys} "
                 "(service.max_batch_keys)",
             )
@@ -415,7 +415,7 @@ class SameHostServer:
             raise Refused(w.Status.BAD_REQUEST, f"MAP takes one descriptor, got {len(fds)}")
         if not 0 < length <= self.max_region_bytes:
             raise Refused(
-                w.Status.BAD_REQUEST,
+                w.Status.TOO_LARGE,
                 f"a region of {length} B; the daemon maps 1..{self.max_region_bytes} B "
                 "(service.socket_max_region_bytes)",
             )
@@ -448,7 +448,7 @@ class SameHostServer:
             raise Refused(w.Status.BAD_REQUEST, f"region {region} is not mapped")
         if length > self.d.limits.max_body_bytes:
             raise Refused(
-                w.Status.BAD_REQUEST,
+                w.Status.TOO_LARGE,
                 f"a request of {length} B; the limit is {self.d.limits.max_body_bytes} B "
                 "(service.max_body_bytes)",
             )
@@ -473,7 +473,7 @@ class SameHostServer:
         size = view.nbytes // n
         if size > self.d.limits.max_value_bytes:
             raise Refused(
-                w.Status.BAD_REQUEST,
+                w.Status.TOO_LARGE,
                 f"values of {size} B; the limit is {self.d.limits.max_value_bytes} B "
                 "(service.max_value_bytes)",
             )

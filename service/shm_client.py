@@ -152,9 +152,14 @@ class _Link:
             raise SameHostDown("the daemon sent a bad same-host reply")
         if status == w.Status.OK:
             return status, count, nbytes, body
+        try:
+            st = w.Status(status)
+        except ValueError:
+            raise SameHostDown(f"the daemon sent an unknown status {status}") from None
+        # Worded as protocol.check words the same refusal over HTTP.
         why = body.decode("utf-8", "replace")
-        text = f"daemon refused ({w.Status(status).name.lower()}): {why}"
-        if status == w.Status.BAD_REQUEST:
+        text = f"daemon answered {w.HTTP_EQUIVALENT[st]} {st.name.lower()} (same-host): {why}"
+        if st in (w.Status.BAD_REQUEST, w.Status.TOO_LARGE):
             raise InputError(text)
         if status == w.Status.UNAUTHORIZED:
             raise AuthError(text)
@@ -356,7 +361,8 @@ class SameHost:
                     np.frombuffer(dst, dtype=np.uint8)[pos : pos + nbytes] = region.array[:nbytes]
                 lengths += struct.unpack_from(f"<{got}I", body)
                 pos += nbytes
-                if got < len(part):
+                # A short run ends the get, unless it was cut by the request's size.
+                if got < len(part) and (got == 0 or room == dst.nbytes - (pos - nbytes)):
                     break
         return Fetched(len(lengths), pos, tuple(lengths))
 

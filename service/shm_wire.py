@@ -61,6 +61,17 @@ class Status(enum.IntEnum):
     UNAUTHORIZED = 2  # HELLO with a refused token, or a request before HELLO
     BUSY = 3  # the daemon's in-flight bound or its connection bound: retry later
     CLOSED = 4  # the daemon is shutting down
+    TOO_LARGE = 5  # over a size or count limit: the client's InputError (HTTP's 413)
+
+
+HTTP_EQUIVALENT = {
+    Status.BAD_REQUEST: 400,
+    Status.TOO_LARGE: 413,
+    Status.UNAUTHORIZED: 401,
+    Status.BUSY: 503,
+    Status.CLOSED: 503,
+}
+"""The HTTP status the same refusal gets over HTTP (clients word both alike)."""
 
 
 def request(op: Op, *, region: int = 0, count: int = 0, offset: int = 0, length: int = 0) -> bytes:
