@@ -282,6 +282,12 @@ class Client(_Base):
                 log.warning("kvtier same-host channel failed, using HTTP: %s", exc)
         shm.close()
 
+    @property
+    def same_host_socket(self) -> str | None:
+        """The daemon socket values go through now; None while they go through HTTP."""
+        shm = self._same_host()
+        return shm.path if shm is not None else None
+
     def shared_buffer(self, nbytes: int) -> npt.NDArray[np.uint8]:
         """A uint8 buffer of ``nbytes``; in shared memory when the same-host channel is
         up, so puts from it and gets into it copy nothing on this side. Keep it while the
