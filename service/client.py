@@ -24,12 +24,14 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Generator, Sequence
-from typing import Any, TypeVar
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Generator, Iterator, Sequence
+from typing import Any, Generic, TypeVar
 
 import httpx
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import override
 
 from kvtier.errors import InputError, TransportError
 from kvtier.store.types import LookupResult, PutResult
@@ -41,6 +43,8 @@ from .shm_client import SameHost, SameHostDown
 from .transport import HTTP11Transport
 
 T = TypeVar("T")
+# The httpx transport a client takes: blocking for Client, asyncio for AsyncClient.
+TransportT = TypeVar("TransportT", httpx.BaseTransport, httpx.AsyncBaseTransport)
 log = logging.getLogger(__name__)
 SAME_HOST_HOLD_S = 1.0
 """After the same-host channel fails, HTTP only for this long before trying it again."""
@@ -72,7 +76,7 @@ class _AsyncParts:
             yield part  # type: ignore[misc]  # httpx sends any bytes-like piece
 
 
-class _Base:
+class _Base(ABC, Generic[TransportT]):
     """Settings and request building shared by both clients.
 
     Args:
@@ -98,6 +102,7 @@ class _Base:
         batch_keys: int = 1024,
         max_body_bytes: int = 256 * 1024 * 1024,
         pool: int = 64,
+        transport: TransportT | None = None,
     ) -> None:
         if batch_keys < 1:
             raise InputError(f"batch_keys must be >= 1, got {batch_keys}")
@@ -108,6 +113,11 @@ class _Base:
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self._limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
+        self._open(transport)
+
+    @abstractmethod
+    def _open(self, transport: TransportT | None) -> None:
+        """Make the httpx client (``self._http``) over ``transport``."""
 
     def _request_kwargs(self, call: Call, *, asynchronous: bool = False) -> dict[str, Any]:
         kw: dict[str, Any] = {"headers": self._headers}
@@ -127,9 +137,10 @@ class _Base:
         return kw
 
     @staticmethod
-    def _reply(status: int, body: bytes, content_type: str) -> Reply:
+    def _reply(r: httpx.Response) -> Reply:
+        status, body = r.status_code, r.content
         parsed: Any = None
-        if content_type.startswith("application/json") and body:
+        if r.headers.get("content-type", "").startswith("application/json") and body:
             try:
                 parsed = json.loads(body)
             except ValueError:
@@ -140,6 +151,30 @@ class _Base:
     def _translate(exc: httpx.HTTPError, call: Call) -> TransportError:
         what = "timed out" if isinstance(exc, httpx.TimeoutException) else "failed"
         return TransportError(f"{call.method} {call.path} {what}: {type(exc).__name__}: {exc}")
+
+    def _delays(self, call: Call) -> Iterator[float]:
+        """Waits before each retry; none for a call that must not be repeated."""
+        return self.retry.delays() if call.idempotent else iter(())
+
+    @staticmethod
+    def _retry_step(
+        call: Call, delays: Iterator[float], outcome: Reply | TransportError
+    ) -> Reply | float:
+        """What follows one attempt: the reply to return, or the wait in seconds before the next.
+
+        Retries a transport error or a retryable status while ``delays`` lasts; then the last
+        reply stands, or the last error is raised.
+        """
+        if isinstance(outcome, Reply) and outcome.status not in p.RETRY_STATUSES:
+            return outcome
+        delay = next(delays, None)
+        if delay is None:
+            if isinstance(outcome, TransportError):
+                raise outcome
+            return outcome
+        if call.sink is not None:
+            call.sink.reset()
+        return delay
 
     # Batch operations need the client's limits; single ones do not.
     def _lookup(self, keys: Sequence[KeyLike]) -> Op[LookupResult]:
@@ -169,7 +204,7 @@ def _op_same_host() -> Op[str | None]:
     return str(path) if path else None
 
 
-class Client(_Base):
+class Client(_Base[httpx.BaseTransport]):
     """Blocking client. Thread-safe: share one between threads.
 
     For ``http://`` URLs it sends through :class:`~kvtier.service.transport.HTTP11Transport`
@@ -182,6 +217,8 @@ class Client(_Base):
     Buffers from :meth:`shared_buffer` then move no byte on this side.
     """
 
+    _http: httpx.Client
+
     def __init__(
         self,
         url: str = DEFAULT_URL,
@@ -191,12 +228,15 @@ class Client(_Base):
         same_host: bool = True,
         **kw: Any,
     ) -> None:
-        super().__init__(url, token, **kw)
         self._token = token
-        self._want_shm = same_host and transport is None and is_loopback(self.url)
         self._shm: SameHost | None = None
         self._shm_lock = threading.Lock()
         self._shm_retry_at = 0.0
+        super().__init__(url, token, transport=transport, **kw)
+        self._want_shm = same_host and transport is None and is_loopback(self.url)
+
+    @override
+    def _open(self, transport: httpx.BaseTransport | None) -> None:
         if transport is None and self.url.startswith("http://"):
             transport = HTTP11Transport(
                 pool=self._limits.max_keepalive_connections or 64,
@@ -208,34 +248,26 @@ class Client(_Base):
         )
 
     def _send(self, call: Call) -> Reply:
-        delays = self.retry.delays() if call.idempotent else iter(())
+        delays = self._delays(call)
         while True:
             try:
-                reply = self._send_once(call)
+                outcome: Reply | TransportError = self._send_once(call)
             except httpx.HTTPError as exc:
-                err: TransportError | None = self._translate(exc, call)
-            else:
-                if reply.status not in p.RETRY_STATUSES:
-                    return reply
-                err = None
-            delay = next(delays, None)
-            if delay is None:
-                if err is not None:
-                    raise err
-                return reply
-            if call.sink is not None:
-                call.sink.reset()
-            time.sleep(delay)
+                outcome = self._translate(exc, call)
+            step = self._retry_step(call, delays, outcome)
+            if isinstance(step, Reply):
+                return step
+            time.sleep(step)
 
     def _send_once(self, call: Call) -> Reply:
         kw = self._request_kwargs(call)
         if call.sink is None:
             r = self._http.request(call.method, call.path, **kw)
-            return self._reply(r.status_code, r.content, r.headers.get("content-type", ""))
+            return self._reply(r)
         with self._http.stream(call.method, call.path, **kw) as r:
             if r.status_code != 200:
                 r.read()
-                return self._reply(r.status_code, r.content, r.headers.get("content-type", ""))
+                return self._reply(r)
             for piece in r.iter_raw():
                 call.sink.feed(piece)
             return Reply(200, b"")
@@ -400,51 +432,38 @@ class Client(_Base):
         self.close()
 
 
-class AsyncClient(_Base):
+class AsyncClient(_Base[httpx.AsyncBaseTransport]):
     """asyncio client. Use from one event loop; concurrent tasks share its pool."""
 
-    def __init__(
-        self,
-        url: str = DEFAULT_URL,
-        token: str | None = None,
-        *,
-        transport: httpx.AsyncBaseTransport | None = None,
-        **kw: Any,
-    ) -> None:
-        super().__init__(url, token, **kw)
+    _http: httpx.AsyncClient
+
+    @override
+    def _open(self, transport: httpx.AsyncBaseTransport | None) -> None:
         self._http = httpx.AsyncClient(
             base_url=self.url, timeout=self._timeout, limits=self._limits, transport=transport
         )
 
     async def _send(self, call: Call) -> Reply:
-        delays = self.retry.delays() if call.idempotent else iter(())
+        delays = self._delays(call)
         while True:
             try:
-                reply = await self._send_once(call)
+                outcome: Reply | TransportError = await self._send_once(call)
             except httpx.HTTPError as exc:
-                err: TransportError | None = self._translate(exc, call)
-            else:
-                if reply.status not in p.RETRY_STATUSES:
-                    return reply
-                err = None
-            delay = next(delays, None)
-            if delay is None:
-                if err is not None:
-                    raise err
-                return reply
-            if call.sink is not None:
-                call.sink.reset()
-            await asyncio.sleep(delay)
+                outcome = self._translate(exc, call)
+            step = self._retry_step(call, delays, outcome)
+            if isinstance(step, Reply):
+                return step
+            await asyncio.sleep(step)
 
     async def _send_once(self, call: Call) -> Reply:
         kw = self._request_kwargs(call, asynchronous=True)
         if call.sink is None:
             r = await self._http.request(call.method, call.path, **kw)
-            return self._reply(r.status_code, r.content, r.headers.get("content-type", ""))
+            return self._reply(r)
         async with self._http.stream(call.method, call.path, **kw) as r:
             if r.status_code != 200:
                 await r.aread()
-                return self._reply(r.status_code, r.content, r.headers.get("content-type", ""))
+                return self._reply(r)
             async for piece in r.aiter_raw():
                 call.sink.feed(piece)
             return Reply(200, b"")
