@@ -99,6 +99,7 @@ class RemoteStore:
         self._hold_s = FIRST_HOLD_S
         self._last_log = -LOG_EVERY_S
         self._failures = 0
+        self._staging: npt.NDArray[np.uint8] | None = None
         self._check_limits()
 
     def _check_limits(self) -> None:
@@ -211,6 +212,21 @@ class RemoteStore:
             return _done(PutResult(0, 0, 0, n))
         self._ok()
         return _done(res)
+
+    def staging(self, nbytes: int) -> npt.NDArray[np.uint8] | None:
+        """A reusable buffer of ``nbytes`` in memory shared with the daemon, or None when
+        values go through HTTP. A get into it costs one copy in all (the daemon's, from
+        its tier); the buffer is overwritten by the next call. For one thread (loads run
+        on the engine thread)."""
+        if self._client.same_host_socket is None:
+            return None
+        if self._staging is None or self._staging.nbytes < nbytes:
+            try:
+                self._staging = self._client.shared_buffer(max(nbytes, 2 * self.chunk_bytes))
+            except KVTierError as exc:
+                self._failed("shared staging", exc)
+                return None
+        return self._staging[:nbytes]
 
     def stats(self) -> RemoteStats:
         return RemoteStats()
