@@ -9,7 +9,10 @@ batch of fresh random prompts (never seen before by either engine, so every look
 misses and every saved chunk is wasted) goes to one engine and then the same batch to
 the other, alternating which goes first, so machine drift hits both alike. Throughput
 is (prompt + generated tokens) / wall time of the batch; the figure is the per-pair
-ratio with / without the connector (1.0 = no cost; the target is >= 0.95).
+ratio with / without the connector (1.0 = no cost; the target is >= 0.95). Beside it,
+the CPU time each engine process spent on the batch (every thread: the forward's, and
+the connector's save thread): on a shared machine wall time also counts other people's
+work, CPU time counts only the engine's own.
 
 vLLM's own prefix cache is off in both engines (a fresh prompt could never hit it, and
 the other modes of this benchmark run without it). Outputs are greedy: the two engines
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import shutil
 import statistics
 import subprocess
@@ -118,11 +122,14 @@ def engine_child(spec: str, connector: bool) -> int:
             print(MARK + json.dumps(totals), flush=True)
             continue
         prompts = [TokensPrompt(prompt_token_ids=t) for t in batch]
+        c0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t0
+        c1 = resource.getrusage(resource.RUSAGE_SELF)
         result = {
             "s": dt,
+            "cpu_s": (c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime),
             "tokens_in": sum(len(t) for t in batch),
             "tokens_out": sum(len(o.outputs[0].token_ids) for o in outs),
             "outputs": [list(o.outputs[0].token_ids) for o in outs],
@@ -180,6 +187,7 @@ def main(argv: list[str]) -> int:
     finished = False
     tput: dict[str, list[float]] = {"with": [], "without": []}
     pairs: list[float] = []
+    cpu_pairs: list[float] = []  # CPU seconds per token, without / with
     same = total = 0
     try:
         # One at a time: two engines starting together would only slow each other.
@@ -197,12 +205,15 @@ def main(argv: list[str]) -> int:
             for k in rate:
                 tput[k].append(rate[k])
             pairs.append(rate["with"] / rate["without"])
+            cpu_pairs.append(res["without"]["cpu_s"] / res["with"]["cpu_s"])
             outs = zip(res["with"]["outputs"], res["without"]["outputs"], strict=True)
             same += sum(x == y for x, y in outs)
             total += a.prompts
             print(
                 f"batch {i - a.warmup} ({order[0]} first): with {res['with']['s']:.2f}s, "
-                f"without {res['without']['s']:.2f}s -> throughput ratio {pairs[-1]:.3f}"
+                f"without {res['without']['s']:.2f}s -> throughput ratio {pairs[-1]:.3f}; "
+                f"CPU {res['with']['cpu_s']:.2f}s / {res['without']['cpu_s']:.2f}s -> "
+                f"{cpu_pairs[-1]:.3f}"
             )
         totals: dict[str, float] = engines["with"].ask("totals")
         finished = True
@@ -228,6 +239,10 @@ def main(argv: list[str]) -> int:
         "pair_ratio_max": max(pairs),
         "pair_ratios": pairs,
         "overhead": 1.0 - med,
+        # Engine CPU seconds per batch, without / with (1.0 = the connector costs no CPU).
+        "cpu_ratio_median": statistics.median(cpu_pairs),
+        "cpu_ratio_min": min(cpu_pairs),
+        "cpu_ratio_max": max(cpu_pairs),
         "outputs_identical": f"{same}/{total}",
         "saved_chunks": totals.get("save_chunks", 0),
         "expected_full_chunks": full_chunks,
@@ -240,7 +255,9 @@ def main(argv: list[str]) -> int:
         f"no reuse, {a.prompts} x {a.tokens}-token prompts, {a.max_tokens} generated: "
         f"throughput with/without the connector {med:.3f} (pairs {min(pairs):.3f}-"
         f"{max(pairs):.3f}, median of {a.repeat}) -> overhead {100 * (1 - med):.1f}% "
-        f"(target <= 5%: {'PASS' if med >= 0.95 else 'MISS'}); outputs identical "
+        f"(target <= 5%: {'PASS' if med >= 0.95 else 'MISS'}); CPU time ratio "
+        f"{row['cpu_ratio_median']:.3f} ({row['cpu_ratio_min']:.3f}-{row['cpu_ratio_max']:.3f}); "
+        f"outputs identical "
         f"{same}/{total}; chunks saved {row['saved_chunks']:.0f} of {full_chunks}, "
         f"loaded {row['loaded_chunks']:.0f}"
     )
