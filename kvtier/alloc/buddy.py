@@ -186,7 +186,8 @@ class BuddyAllocator:
         return out
 
     def free(self, offset: int, n_units: int) -> None:
-        """Free ``[offset, offset + n_units)``, which must lie inside allocated blocks.
+        """Free ``[offset, offset + n_units)``, which must lie inside allocated blocks (one
+        or several adjacent ones).
 
         Any sub-range of an allocated block may be freed; the block is split so the rest
         stays allocated. Raises InputError on a double free or a range never allocated,
@@ -194,11 +195,19 @@ class BuddyAllocator:
         """
         if n_units < 1 or offset < 0 or offset + n_units > self.capacity_units:
             raise InputError(f"free range [{offset}, {offset + n_units}) outside the arena")
-        pieces = _aligned_pieces(offset, n_units)
-        owners = [self._owner(o, k) for o, k in pieces]
-        for (o, k), owner in zip(pieces, owners, strict=True):
-            if owner is None:
-                raise InputError(f"free of [{o}, {o + (1 << k)}): not allocated (double free?)")
+        pieces: list[tuple[int, int]] = []
+        todo = _aligned_pieces(offset, n_units)
+        todo.reverse()  # a stack, lowest offset on top
+        while todo:
+            o, k = todo.pop()
+            if self._owner(o, k) is not None:
+                pieces.append((o, k))
+            elif k > 0:
+                # The range spans several allocated blocks (adjacent extents freed
+                # together): free its halves, each inside one block.
+                todo += ((o + (1 << (k - 1)), k - 1), (o, k - 1))
+            else:
+                raise InputError(f"free of [{o}, {o + 1}): not allocated (double free?)")
         for o, k in pieces:
             owner = self._owner(o, k)  # earlier pieces may have split the owner
             assert owner is not None

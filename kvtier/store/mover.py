@@ -391,7 +391,7 @@ class Mover:
             for i in idx:
                 written[i] = True
         moved = 0
-        with self.index.lock:
+        with self.index.lock, self.index.batched_frees_locked():
             for i, old in enumerate(victims):
                 new = new_slots[i] if written[i] else None
                 if self.index.repoint_locked(old, new, drop=drop_on_failure):
