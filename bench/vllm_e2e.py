@@ -52,23 +52,23 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.common import envelope, write_json
-from kvtier.bench.tiny_llama import TinyLlama, write_tiny_llama
+from kvtier.bench.tiny_llama import (
+    TinyLlama,
+    add_engine_options,
+    engine_args,
+    kvtier_transfer,
+    write_tiny_llama,
+)
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvtier bench vllm_e2e", description=__doc__)
-    p.add_argument("--tokens", type=int, default=4096, help="prompt length")
-    p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--layers", type=int, default=4)
+    add_engine_options(p)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--intermediate", type=int, default=1536)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", default="bfloat16", help="model and KV dtype (bfloat16, float32)")
-    p.add_argument("--chunk-tokens", type=int, default=256)
-    p.add_argument("--host-bytes", default="1GiB")
     p.add_argument("--model-dir", default=None, help="where to write the model (default: tmp)")
     p.add_argument(
         "--source",
@@ -100,7 +100,6 @@ def _args(argv: list[str]) -> argparse.Namespace:
         "this decode engine (kv_consumer) share a temporary kvtier daemon; the decode "
         "engine's TTFT after the handoff against the same engine cold",
     )
-    p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
 
@@ -148,15 +147,9 @@ def main(argv: list[str]) -> int:
 
     kvtier = a.source == "kvtier"
     connector_cfg: dict[str, Any] = {
-        "kv_transfer_config": {
-            "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier.connectors.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "store.chunk_tokens": a.chunk_tokens,
-                "tiers": [{"kind": "host", "capacity_bytes": a.host_bytes}],
-            },
-        }
+        "kv_transfer_config": kvtier_transfer(
+            "kv_both", a.chunk_tokens, [{"kind": "host", "capacity_bytes": a.host_bytes}]
+        )
     }
     if a.daemon:
         # Daemon mode: the host tier above only sizes the scheduler's mirror.
@@ -173,17 +166,7 @@ def main(argv: list[str]) -> int:
             }
         }
     llm = LLM(
-        model=str(model),
-        load_format="safetensors",
-        skip_tokenizer_init=True,
-        block_size=32,
-        max_model_len=a.tokens + 64,
-        max_num_batched_tokens=a.tokens + 64,
-        max_num_seqs=2,
-        enable_prefix_caching=a.source == "prefix-cache",
-        seed=0,
-        enforce_eager=True,
-        dtype=a.dtype,
+        **engine_args(model, a.tokens, a.dtype, prefix_caching=a.source == "prefix-cache"),
         **(connector_cfg if a.source != "prefix-cache" else {}),
     )
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
@@ -282,29 +265,15 @@ MARK = "KVTIER-PRODUCER "
 
 def _engine_kwargs(a: argparse.Namespace, model: Path, role: str, url: str) -> dict[str, Any]:
     return {
-        "model": str(model),
-        "load_format": "safetensors",
-        "skip_tokenizer_init": True,
-        "block_size": 32,
-        "max_model_len": a.tokens + 64,
-        "max_num_batched_tokens": a.tokens + 64,
-        "max_num_seqs": 2,
-        "enable_prefix_caching": False,  # every hit must come from kvtier
-        "seed": 0,
-        "enforce_eager": True,
-        "dtype": a.dtype,
-        "kv_transfer_config": {
-            "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier.connectors.vllm",
-            "kv_role": role,
-            "kv_connector_extra_config": {
-                "store.chunk_tokens": a.chunk_tokens,
-                "tiers": [{"kind": "host", "capacity_bytes": a.host_bytes}],
-                "url": url,
-                "daemon_timeout_s": 10.0,
-                "prefill_wait_s": 30.0,
-            },
-        },
+        **engine_args(model, a.tokens, a.dtype),
+        "kv_transfer_config": kvtier_transfer(
+            role,
+            a.chunk_tokens,
+            [{"kind": "host", "capacity_bytes": a.host_bytes}],
+            url=url,
+            daemon_timeout_s=10.0,
+            prefill_wait_s=30.0,
+        ),
     }
 
 
