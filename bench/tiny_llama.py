@@ -30,6 +30,11 @@ class TinyLlama:
     max_positions: int = 8192
     seed: int = 1234
 
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        """Bytes of K and V of one token over all layers, in ``dtype`` (float32: 4 B)."""
+        elem = 4 if "32" in dtype else 2
+        return 2 * self.layers * self.kv_heads * self.head_dim * elem
+
 
 def write_tiny_llama(folder: str | Path, geo: TinyLlama = TinyLlama()) -> Path:
     """Write ``config.json`` and ``model.safetensors`` (bf16) into ``folder``; returns it.

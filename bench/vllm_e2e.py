@@ -122,6 +122,20 @@ def _geometry(a: argparse.Namespace) -> TinyLlama:
     )
 
 
+# One request timed to its first token: seconds, tokens vLLM found cached, the first
+# token, and the top-5 logprobs of that position.
+_FirstToken = tuple[float, int, int, dict[int, float]]
+
+
+def _first_token(llm: Any, prompt: Any, params: Any) -> _FirstToken:
+    t0 = time.perf_counter()
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    dt = time.perf_counter() - t0
+    lp = out.outputs[0].logprobs[0] if out.outputs[0].logprobs else {}
+    top = {int(t): float(v.logprob) for t, v in lp.items()}
+    return dt, int(out.num_cached_tokens or 0), int(out.outputs[0].token_ids[0]), top
+
+
 def _dlogprob(a: dict[int, float], b: dict[int, float]) -> float:
     """Largest difference of the top-5 logprobs both runs list (inf: none in common)."""
     common = a.keys() & b.keys()
@@ -172,14 +186,8 @@ def main(argv: list[str]) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     rng = random.Random(0)
 
-    def run(tokens: list[int], salt: str) -> tuple[float, int, int, dict[int, float]]:
-        p = TokensPrompt(prompt_token_ids=tokens, cache_salt=salt)
-        t0 = time.perf_counter()
-        out = llm.generate([p], params, use_tqdm=False)[0]
-        dt = time.perf_counter() - t0
-        lp = out.outputs[0].logprobs[0] if out.outputs[0].logprobs else {}
-        top = {int(tid): float(v.logprob) for tid, v in lp.items()}
-        return dt, int(out.num_cached_tokens or 0), int(out.outputs[0].token_ids[0]), top
+    def run(tokens: list[int], salt: str) -> _FirstToken:
+        return _first_token(llm, TokensPrompt(prompt_token_ids=tokens, cache_salt=salt), params)
 
     miss_s: list[float] = []
     hit_s: list[float] = []
@@ -212,8 +220,7 @@ def main(argv: list[str]) -> int:
     if kvtier:
         connector: Any = get_kv_transfer_group()
         totals = connector.worker.totals()
-    elem = 4 if "32" in a.dtype else 2
-    kv_bytes_per_token = 2 * geo.layers * geo.kv_heads * geo.head_dim * elem
+    kv_bytes_per_token = geo.kv_bytes_per_token(a.dtype)
     identical = same_tokens == a.repeat and misses_clean
     med_hit, med_miss = statistics.median(hit_s), statistics.median(miss_s)
     pairs = [h / m for h, m in zip(hit_s, miss_s, strict=True)]
@@ -350,8 +357,7 @@ def run_disagg(a: argparse.Namespace) -> int:
     geo = _geometry(a)
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-disagg-"))
     model = write_tiny_llama(a.model_dir or tmp / "model", geo)
-    elem = 4 if "32" in a.dtype else 2
-    kv_bytes_per_token = 2 * geo.layers * geo.kv_heads * geo.head_dim * elem
+    kv_bytes_per_token = geo.kv_bytes_per_token(a.dtype)
     from kvtier.bench.daemon import start_kvtier
 
     url, daemon = start_kvtier(tmp, "2GiB", max_value_bytes=kv_bytes_per_token * a.chunk_tokens)
@@ -367,19 +373,14 @@ def run_disagg(a: argparse.Namespace) -> int:
 
         def decode(
             tokens: list[int], salt: str | None, handoff: dict[str, Any] | None
-        ) -> tuple[float, int, int, dict[int, float]]:
+        ) -> _FirstToken:
             p = TokensPrompt(prompt_token_ids=tokens)
             if salt is not None:
                 p["cache_salt"] = salt
             sp = params.clone()
             if handoff is not None:
                 sp.extra_args = {"kv_transfer_params": handoff}
-            t0 = time.perf_counter()
-            out = llm.generate([p], sp, use_tqdm=False)[0]
-            dt = time.perf_counter() - t0
-            lp = out.outputs[0].logprobs[0] if out.outputs[0].logprobs else {}
-            top = {int(t): float(v.logprob) for t, v in lp.items()}
-            return dt, int(out.num_cached_tokens or 0), int(out.outputs[0].token_ids[0]), top
+            return _first_token(llm, p, sp)
 
         def counters() -> dict[str, int]:
             st: dict[str, int] = httpx.get(url + "/v1/stats", timeout=10).json()["store"]
