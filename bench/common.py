@@ -13,6 +13,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kvtier.policies.measure import run_times
+
 
 @dataclass(frozen=True, slots=True)
 class Sample:
@@ -30,13 +32,7 @@ class Sample:
 
 def measure(fn: Callable[[], object], *, repeat: int = 7, warmup: int = 2) -> Sample:
     """Run ``fn`` ``warmup`` times untimed, then ``repeat`` times timed."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+    times = run_times(fn, repeat, warmup)
     return Sample(statistics.median(times), min(times), max(times), repeat)
 
 

@@ -151,9 +151,12 @@ class BuddyAllocator:
             return None
         offset = next(iter(self._free[src]))
         self._pop_free(offset, src)
+        free, free_order = self._free, self._free_order  # the split loop runs per op: inlined
         while src > order:
             src -= 1
-            self._push_free(offset + (1 << src), src)
+            half = offset + (1 << src)
+            free[src][half] = None
+            free_order[half] = src
         self._alloc[offset] = order
         self._free_units -= 1 << order
         return Extent(offset, order)
@@ -247,17 +250,17 @@ class BuddyAllocator:
 
     def _owner(self, offset: int, order: int) -> int | None:
         """Offset of the allocated block that contains the aligned block (offset, order)."""
-        for k in range(order, self.max_order + 1):
-            base = offset & ~((1 << k) - 1)
-            if self._alloc.get(base) == k:
-                return base
-        return None
+        return self._container(self._alloc, offset, order)
 
     def _free_owner(self, offset: int, order: int) -> int | None:
         """Offset of the free block that contains the aligned block (offset, order)."""
+        return self._container(self._free_order, offset, order)
+
+    def _container(self, blocks: dict[int, int], offset: int, order: int) -> int | None:
+        """Offset of the block of ``blocks`` (offset -> order) that contains (offset, order)."""
         for k in range(order, self.max_order + 1):
             base = offset & ~((1 << k) - 1)
-            if self._free_order.get(base) == k:
+            if blocks.get(base) == k:
                 return base
         return None
 
