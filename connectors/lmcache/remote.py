@@ -46,7 +46,7 @@ from typing_extensions import override
 from .keys import engine_key
 from .link import DaemonLink
 from .settings import REMOTE_PREFIX, daemon_settings, plugin_name
-from .spans import collect, spans
+from .spans import collect, spans, split
 
 log = logging.getLogger(__name__)
 
@@ -137,11 +137,13 @@ class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache i
     async def _load_run(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj]:
         """The leading run of ``keys`` the daemon holds, loaded; the rest freed.
 
-        One request per span of back-to-back memory objects (usually the whole run:
-        see :mod:`.spans`), the values written straight into LMCache's memory.
+        A few requests per span of back-to-back memory objects (usually the whole run:
+        see :mod:`.spans`), at most four in flight: one request per chunk paid a round
+        trip each; one for the whole run left the daemon's reads and the client's receive
+        in sequence. The values land straight in LMCache's memory.
         """
         objs = await self._run(self._allocate, len(keys))
-        span_list = spans(objs, self.full_chunk_size_bytes)
+        span_list = split(spans(objs, self.full_chunk_size_bytes), self.full_chunk_size_bytes, 4)
         ks = [engine_key(k) for k in keys]
         results = await asyncio.gather(
             *(

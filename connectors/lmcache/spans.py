@@ -77,6 +77,21 @@ def spans(objs: Sequence[MemoryObj], chunk_bytes: int) -> list[Span]:
     return out
 
 
+def split(span_list: Sequence[Span], chunk_bytes: int, ways: int) -> list[Span]:
+    """Cut each span into at most ``ways`` consecutive spans of whole chunks.
+
+    For a transport where a few requests in flight beat one long one (the daemon reads
+    one piece from its tier while the client receives another).
+    """
+    out: list[Span] = []
+    for sp in span_list:
+        step = max(1, -(-sp.count // ways))
+        for k in range(0, sp.count, step):
+            n = min(step, sp.count - k)
+            out.append(Span(sp.start + k, n, sp.view[k * chunk_bytes : (k + n) * chunk_bytes]))
+    return out
+
+
 def collect(
     objs: Sequence[MemoryObj],
     results: Sequence[Sequence[int]],
