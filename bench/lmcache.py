@@ -95,6 +95,9 @@ def _host_toml(capacity_bytes: int) -> str:
             'placement = "keep"',
             "",
             "[service]",
+            # Empty, not left out: the default is the user's data directory, where the
+            # daemon would add an nvme tier (and this row would no longer be memory).
+            'data_dir = ""',
             f"max_value_bytes = {CHUNK * TOKEN_BYTES}",
             f"max_body_bytes = {4 * CHUNK * TOKEN_BYTES}",
             "",
@@ -134,6 +137,8 @@ def _serve(directory: Path, port: int) -> _Daemon:
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
+        # The config file alone decides (a KVTIER_DATA_DIR here would add an nvme tier).
+        env={k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")},
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
