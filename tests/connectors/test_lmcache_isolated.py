@@ -24,6 +24,7 @@ if importlib.util.find_spec("lmcache") is None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # the whole tests/lmcache run, beyond the per-test default
 def test_lmcache_plug_points(tmp_path: Path) -> None:
     env = {**os.environ, "KVTIER_LMCACHE_TESTS": "1"}
     cmd = [
