@@ -328,6 +328,10 @@ def _round_ratios(rows: list[dict[str, Any]], ours: str, theirs: str) -> dict[st
     """Retrieve-throughput ratio ours/theirs per round (same round = same moment's load)."""
     a = next(r for r in rows if r["backend"] == ours)
     b = next(r for r in rows if r["backend"] == theirs)
+    if not (a["complete"] and b["complete"]):
+        # A retrieve that came back short is not the same work: no throughput ratio.
+        nan = float("nan")
+        return {"median": nan, "min": nan, "max": nan, "of_medians": nan}
     per = [tb / ta for ta, tb in zip(a["retrieve_s"]["all"], b["retrieve_s"]["all"], strict=True)]
     return {
         "median": statistics.median(per),
