@@ -53,8 +53,8 @@ from typing import Any
 
 from kvtier.bench.common import envelope, write_json
 from kvtier.bench.tiny_llama import (
-    TinyLlama,
     add_engine_options,
+    bench_geometry,
     engine_args,
     kvtier_transfer,
     write_tiny_llama,
@@ -64,11 +64,6 @@ from kvtier.bench.tiny_llama import (
 def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvtier bench vllm_e2e", description=__doc__)
     add_engine_options(p)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--intermediate", type=int, default=1536)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--model-dir", default=None, help="where to write the model (default: tmp)")
     p.add_argument(
         "--source",
@@ -108,18 +103,6 @@ def _env() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-
-
-def _geometry(a: argparse.Namespace) -> TinyLlama:
-    return TinyLlama(
-        layers=a.layers,
-        hidden=a.hidden,
-        intermediate=a.intermediate,
-        heads=a.heads,
-        kv_heads=a.kv_heads,
-        head_dim=a.head_dim,
-        max_positions=max(8192, a.tokens + 64),
-    )
 
 
 # One request timed to its first token: seconds, tokens vLLM found cached, the first
@@ -195,7 +178,7 @@ def main(argv: list[str]) -> int:
     if a.disagg:
         return run_disagg(a)
     _env()
-    geo = _geometry(a)
+    geo = bench_geometry(a)
     model = write_tiny_llama(a.model_dir or tempfile.mkdtemp(prefix="kvtier-bench-llama-"), geo)
 
     from vllm import LLM, SamplingParams
@@ -372,7 +355,7 @@ def run_disagg(a: argparse.Namespace) -> int:
     import httpx
 
     _env()
-    geo = _geometry(a)
+    geo = bench_geometry(a)
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-disagg-"))
     model = write_tiny_llama(a.model_dir or tmp / "model", geo)
     kv_bytes_per_token = geo.kv_bytes_per_token(a.dtype)
