@@ -3,6 +3,7 @@
     kvtier bench vllm_e2e --json out.json [--tokens 4096] [--repeat 5] [--layers 4] ...
     kvtier bench vllm_e2e --disagg --json out.json [--tokens 8192] [--repeat 3] ...
     kvtier bench vllm_e2e --restart ...   (TTFT in a new engine process: vllm_restart.py)
+    kvtier bench vllm_e2e --no-reuse ...  (throughput cost when nothing repeats: vllm_noreuse.py)
 
 One engine with the kvtier connector (host tier). For each repeat, a fresh random
 prompt is sent twice with a fresh cache salt: the first run misses (vLLM computes the
@@ -173,6 +174,11 @@ def main(argv: list[str]) -> int:
         from kvtier.bench.vllm_restart import main as restart_main
 
         rc: int = restart_main(argv)
+        return rc
+    if "--no-reuse" in argv:  # two engine processes: see kvtier.bench.vllm_noreuse
+        from kvtier.bench.vllm_noreuse import main as noreuse_main
+
+        rc = noreuse_main(argv)
         return rc
     a = _args(argv)
     if a.disagg:

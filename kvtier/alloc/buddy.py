@@ -151,9 +151,12 @@ class BuddyAllocator:
             return None
         offset = next(iter(self._free[src]))
         self._pop_free(offset, src)
+        free, free_order = self._free, self._free_order  # the split loop runs per op: inlined
         while src > order:
             src -= 1
-            self._push_free(offset + (1 << src), src)
+            half = offset + (1 << src)
+            free[src][half] = None
+            free_order[half] = src
         self._alloc[offset] = order
         self._free_units -= 1 << order
         return Extent(offset, order)

@@ -83,6 +83,8 @@ class Mover:
         self, keys: list[ChunkKey], view: memoryview, value_bytes: int, prefix: list[ChunkKey]
     ) -> PutResult:
         """Store the new ``keys`` (values packed in ``view``), protecting ``prefix``."""
+        if not prefix:
+            return self._put_pinned(keys, view, value_bytes)
         held = self.index.pin(prefix)
         try:
             return self._put_pinned(keys, view, value_bytes)
