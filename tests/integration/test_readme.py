@@ -1,10 +1,13 @@
 """Every code block of README.md runs here, as written (issue 12: the README had drifted).
 
-Blocks run in README order from the repository root, with three changes of environment
+Blocks run in README order from the repository root, with four changes of environment
 and none of text but ports:
 
 * ``HOME`` is a temporary folder, so ``~/...`` outputs and the default data directory
   (``~/.local/share/kvtier``) never touch the user's; ``KVTIER_*`` variables are cleared.
+* ``VLLM_CACHE_ROOT`` stays vLLM's cache of the user running the tests (vLLM's default
+  place under the real home), not one under the temporary ``HOME``: a user's vLLM keeps
+  its cache, and an empty one costs the server an extra vLLM import at start.
 * Ports: the daemon's 8470 (``KVTIER_SERVICE__PORT`` for ``make serve``, the text for
   ``curl``) and vLLM's 8000 become free ports (other engineers and CI jobs run daemons on
   this machine).
@@ -133,6 +136,12 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     e["README_DAEMON_PORT"] = str(free_port())
     e["README_VLLM_PORT"] = str(free_port())
     e["KVTIER_SERVICE__PORT"] = e["README_DAEMON_PORT"]  # `make serve` names no port
+    # vLLM's own cache stays where vLLM keeps it for this user (as for a user, whose HOME
+    # has it; vLLM's default is $XDG_CACHE_HOME/vllm or ~/.cache/vllm). In an empty one
+    # the API server first inspects the model class in a subprocess of its own, one more
+    # import of vLLM and torch before it starts.
+    e["VLLM_CACHE_ROOT"] = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm")
     return e
 
 
