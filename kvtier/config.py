@@ -160,6 +160,13 @@ class ServiceConfig:
     data_dir: str = ""
     # Capacity of the nvme tier that data_dir adds.
     data_capacity_bytes: int = 8 * GiB
+    # Unix socket of the same-host channel (clients on this machine exchange values
+    # through shared memory they create; docs/operations.md). "auto": a fresh private
+    # directory (mode 0700) in $XDG_RUNTIME_DIR or the temp dir, removed at shutdown;
+    # a path: that socket (its directory made 0700); "": off, HTTP only.
+    socket: str = "auto"
+    # Largest shared-memory region one same-host client may hand the daemon to map.
+    socket_max_region_bytes: int = 1 * GiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +289,25 @@ def _index(part: str, node: list[Any], source: str) -> int:
     return idx
 
 
+def tier_tables(raw: object, where: str) -> list[tuple[str, dict[str, Any]]]:
+    """The ``[[tiers]]`` tables of a TOML document, each with its place (``where.i``) for errors.
+
+    Shared by the store's configuration and the hardware profiles (``policies.profiles``).
+
+    Raises:
+        ConfigError: not a non-empty list, or an entry that is not a table.
+    """
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(where, raw, "a non-empty list of [[tiers]] tables")
+    tables: list[tuple[str, dict[str, Any]]] = []
+    for i, t in enumerate(raw):
+        at = f"{where}.{i}"
+        if not isinstance(t, Mapping):
+            raise ConfigError(at, t, "a table")
+        tables.append((at, dict(t)))
+    return tables
+
+
 def parse_config(raw: Mapping[str, Any]) -> KVTierConfig:
     """Validate a raw (merged) config tree into a :class:`KVTierConfig`."""
     from kvtier.tiers.registry import tier_options_class
@@ -289,14 +315,8 @@ def parse_config(raw: Mapping[str, Any]) -> KVTierConfig:
     raw = dict(raw)
     tiers_raw = raw.pop("tiers", [])
     cfg = build_dataclass(KVTierConfig, raw, "")
-    if not isinstance(tiers_raw, list) or not tiers_raw:
-        raise ConfigError("tiers", tiers_raw, "a non-empty list of [[tiers]] tables")
     tiers: list[TierSection] = []
-    for i, t in enumerate(tiers_raw):
-        where = f"tiers.{i}"
-        if not isinstance(t, Mapping):
-            raise ConfigError(where, t, "a table")
-        t = dict(t)
+    for where, t in tier_tables(tiers_raw, "tiers"):
         kind = t.pop("kind", None)
         if not isinstance(kind, str):
             raise ConfigError(f"{where}.kind", kind, "a tier kind such as 'host'")
@@ -417,6 +437,12 @@ def _validate_service(s: ServiceConfig) -> None:
             s.max_inflight_bytes,
             f"at least service.max_body_bytes ({s.max_body_bytes})",
         )
+    if s.socket_max_region_bytes < 4096:
+        raise ConfigError(
+            "service.socket_max_region_bytes", s.socket_max_region_bytes, "at least 4KiB"
+        )
+    if len(s.socket.encode()) > 100:  # sockaddr_un holds 108 bytes
+        raise ConfigError("service.socket", s.socket, "a path of at most 100 bytes")
     if not 1024 <= s.max_header_bytes <= 1 << 24:
         raise ConfigError("service.max_header_bytes", s.max_header_bytes, "a size in [1KiB, 16MiB]")
     if not 0 < s.header_timeout_s <= 3600:

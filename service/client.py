@@ -19,7 +19,10 @@ never an error: ``get`` returns None, lookups count misses.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
+import logging
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Generator, Iterator, Sequence
@@ -36,11 +39,15 @@ from kvtier.store.types import LookupResult, PutResult
 from . import protocol as p
 from . import wire
 from .protocol import Call, Fetched, KeyLike, Op, Reply, RetryPolicy
+from .shm_client import SameHost, SameHostDown
 from .transport import HTTP11Transport
 
 T = TypeVar("T")
 # The httpx transport a client takes: blocking for Client, asyncio for AsyncClient.
 TransportT = TypeVar("TransportT", httpx.BaseTransport, httpx.AsyncBaseTransport)
+log = logging.getLogger(__name__)
+SAME_HOST_HOLD_S = 1.0
+"""After the same-host channel fails, HTTP only for this long before trying it again."""
 
 DEFAULT_URL = "http://127.0.0.1:8470"
 Buffer = memoryview | bytearray | npt.NDArray[Any]
@@ -177,15 +184,56 @@ class _Base(ABC, Generic[TransportT]):
         return p.op_put_many(keys, values, self.batch_keys, self.max_body_bytes)
 
 
+def is_loopback(url: str) -> bool:
+    """True when ``url`` names this machine by a loopback address or ``localhost``."""
+    host = httpx.URL(url).host
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _op_same_host() -> Op[str | None]:
+    reply = yield Call("GET", "/v1/same-host")
+    if reply.status == 404:  # a daemon from before the same-host channel
+        return None
+    p.check(reply)
+    path = reply.json.get("socket") if isinstance(reply.json, dict) else None
+    return str(path) if path else None
+
+
 class Client(_Base[httpx.BaseTransport]):
     """Blocking client. Thread-safe: share one between threads.
 
     For ``http://`` URLs it sends through :class:`~kvtier.service.transport.HTTP11Transport`
     (httpx's API over ``http.client``; a third of httpcore's CPU per request). Pass
     ``transport=httpx.HTTPTransport()`` for httpx's own.
+
+    With a loopback URL, values go through shared memory when the daemon offers its
+    same-host channel (:mod:`kvtier.service.shm_client`; ``same_host=False`` forces
+    HTTP). A channel that fails is logged and HTTP serves until it works again.
+    Buffers from :meth:`shared_buffer` then move no byte on this side.
     """
 
     _http: httpx.Client
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        token: str | None = None,
+        *,
+        transport: httpx.BaseTransport | None = None,
+        same_host: bool = True,
+        **kw: Any,
+    ) -> None:
+        self._token = token
+        self._shm: SameHost | None = None
+        self._shm_lock = threading.Lock()
+        self._shm_retry_at = 0.0
+        super().__init__(url, token, transport=transport, **kw)
+        self._want_shm = same_host and transport is None and is_loopback(self.url)
 
     @override
     def _open(self, transport: httpx.BaseTransport | None) -> None:
@@ -233,31 +281,113 @@ class Client(_Base[httpx.BaseTransport]):
             result: T = stop.value
             return result
 
+    # -- the same-host channel ------------------------------------------------------------------
+
+    def _same_host(self) -> SameHost | None:
+        """The channel, connecting it when due; None: use HTTP."""
+        if not self._want_shm:
+            return None
+        shm = self._shm
+        if shm is not None or time.monotonic() < self._shm_retry_at:
+            return shm
+        with self._shm_lock:
+            if self._shm is not None or time.monotonic() < self._shm_retry_at:
+                return self._shm
+            try:
+                path = self._run(_op_same_host())
+                if path is None:
+                    self._want_shm = False  # the daemon has none: HTTP for good
+                    log.info("kvtier daemon %s offers no same-host socket; using HTTP", self.url)
+                    return None
+                self._shm = SameHost(path, self._token, self._timeout.read or 30.0)
+                log.info("kvtier daemon %s: values through shared memory (%s)", self.url, path)
+            except (SameHostDown, TransportError, OSError) as exc:
+                self._shm_retry_at = time.monotonic() + SAME_HOST_HOLD_S
+                log.warning("kvtier same-host channel unusable, using HTTP: %s", exc)
+            return self._shm
+
+    def _shm_failed(self, shm: SameHost, exc: Exception) -> None:
+        with self._shm_lock:
+            if self._shm is shm:
+                self._shm = None
+                self._shm_retry_at = time.monotonic() + SAME_HOST_HOLD_S
+                log.warning("kvtier same-host channel failed, using HTTP: %s", exc)
+        shm.close()
+
+    @property
+    def same_host_socket(self) -> str | None:
+        """The daemon socket values go through now; None while they go through HTTP."""
+        shm = self._same_host()
+        return shm.path if shm is not None else None
+
+    def shared_buffer(self, nbytes: int) -> npt.NDArray[np.uint8]:
+        """A uint8 buffer of ``nbytes``; in shared memory when the same-host channel is
+        up, so puts from it and gets into it copy nothing on this side. Keep it while the
+        client lives."""
+        shm = self._same_host()
+        if shm is not None:
+            try:
+                return shm.shared_buffer(nbytes)
+            except OSError as exc:
+                log.warning("kvtier shared buffer of %d B unavailable: %s", nbytes, exc)
+        return np.empty(nbytes, dtype=np.uint8)
+
     # -- the API (each line runs one shared operation) --------------------------------------
 
     def put(self, key: KeyLike, value: bytes | bytearray | memoryview) -> PutResult:
         """Store one value (keys are write-once: a present key reports ``present``)."""
-        return self._run(p.op_put(key, value))
+        return self.put_many([key], [value])
 
     def get(self, key: KeyLike) -> bytes | None:
         """One value, or None when the key is not present."""
+        shm = self._same_host()
+        if shm is not None:
+            buf = np.empty(shm.info.max_value_bytes, dtype=np.uint8)  # pages untouched
+            try:
+                got = shm.get_into([p.raw_key(key)], buf.data)
+            except SameHostDown as exc:
+                self._shm_failed(shm, exc)
+            else:
+                return buf[: got.nbytes].tobytes() if got.chunks else None
         return self._run(p.op_get(key))
 
     def exists(self, key: KeyLike) -> bool:
+        if self._same_host() is not None:
+            return self.lookup([key]).hits == 1
         return self._run(p.op_exists(key))
 
     def delete(self, key: KeyLike) -> bool:
         """Remove a key; True when it was present."""
+        shm = self._same_host()
+        if shm is not None:
+            try:
+                return shm.delete([p.raw_key(key)]) > 0
+            except SameHostDown as exc:
+                self._shm_failed(shm, exc)
         return self._run(p.op_delete(key))
 
     def lookup(self, keys: Sequence[KeyLike]) -> LookupResult:
         """Length of the leading run of present keys, and the tier of each hit."""
+        shm = self._same_host()
+        if shm is not None:
+            try:
+                return shm.lookup([p.raw_key(k) for k in keys])
+            except SameHostDown as exc:
+                self._shm_failed(shm, exc)
         return self._run(self._lookup(keys))
 
     def put_many(
         self, keys: Sequence[KeyLike], values: Sequence[bytes | bytearray | memoryview]
     ) -> PutResult:
         """Store values in as few batch requests as the limits allow."""
+        shm = self._same_host()
+        if shm is not None:
+            try:
+                return shm.put([p.raw_key(k) for k in keys], values)
+            except SameHostDown as exc:
+                self._shm_failed(shm, exc)
+        if len(keys) == 1 and len(values) == 1:
+            return self._run(p.op_put(keys[0], values[0]))
         return self._run(self._put_many(keys, values))
 
     def get_many(self, keys: Sequence[KeyLike]) -> list[bytes]:
@@ -267,10 +397,18 @@ class Client(_Base[httpx.BaseTransport]):
     def get_into(self, keys: Sequence[KeyLike], buffer: Buffer) -> Fetched:
         """Copy the leading run of present values into ``buffer``, packed, as they arrive.
 
-        The one copy is from the socket's pieces into ``buffer``; values that do not fit
-        whole end the run. Use a numpy array, bytearray or any writable buffer.
+        The one copy is from the socket's pieces (or, same-host, the daemon's tier) into
+        ``buffer``; values that do not fit whole end the run. Use a numpy array,
+        bytearray or any writable buffer.
         """
-        return self._run(p.op_get_into(keys, _writable(buffer), self.batch_keys))
+        dst = _writable(buffer)
+        shm = self._same_host()
+        if shm is not None:
+            try:
+                return shm.get_into([p.raw_key(k) for k in keys], dst)
+            except SameHostDown as exc:
+                self._shm_failed(shm, exc)
+        return self._run(p.op_get_into(keys, dst, self.batch_keys))
 
     def stats(self) -> dict[str, Any]:
         return self._run(p.op_stats())
@@ -283,6 +421,8 @@ class Client(_Base[httpx.BaseTransport]):
             return False
 
     def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
         self._http.close()
 
     def __enter__(self) -> Client:

@@ -91,6 +91,7 @@ class RemoteStore:
             pool=4,
         )
         self._breaker = Breaker(settings.url, dropped="saves", refused=f"values of {chunk_bytes} B")
+        self._staging: npt.NDArray[np.uint8] | None = None
         self._check_limits()
 
     def _check_limits(self) -> None:
@@ -157,6 +158,18 @@ class RemoteStore:
 
         res: PutResult = self._breaker.call(f"save of {n} chunks", save, PutResult(0, 0, 0, n))
         return _done(res)
+
+    def staging(self, nbytes: int) -> npt.NDArray[np.uint8] | None:
+        """A reusable buffer of ``nbytes`` in memory shared with the daemon, or None when
+        values go through HTTP. A get into it costs one copy in all (the daemon's, from
+        its tier); the buffer is overwritten by the next call. For one thread (loads run
+        on the engine thread)."""
+        if self._client.same_host_socket is None:
+            return None
+        if self._staging is None or self._staging.nbytes < nbytes:
+            # Plain memory when shared memory cannot be had (logged by the client).
+            self._staging = self._client.shared_buffer(max(nbytes, 2 * self.chunk_bytes))
+        return self._staging[:nbytes]
 
     def stats(self) -> RemoteStats:
         return RemoteStats()
