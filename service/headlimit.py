@@ -34,6 +34,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 log = logging.getLogger(__name__)
@@ -117,22 +118,41 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if cycle is not None and cycle.scope is self.scope and type(cycle) is RequestResponseCycle:
             # uvicorn builds the cycle itself; its task runs later, so the subclass (same
             # state, one method more) and the scope key are in place before the app runs.
-            cycle.__class__ = _CorkedCycle
+            cycle.__class__ = _Cycle
+            assert isinstance(cycle, _Cycle)
+            cycle.early = []
             self.scope[BODY_INTO] = lambda view: self._body_into(cycle, view)  # type: ignore[literal-required]
 
     def on_body(self, body: bytes) -> None:
         into = self._into
-        if into is not None and into.cycle is self.cycle:
+        cycle = self.cycle
+        if into is not None and into.cycle is cycle:
             into.feed(body)
             return
-        super().on_body(body)
+        early = cycle.early if isinstance(cycle, _Cycle) else None
+        if early is None or cycle.response_complete:
+            super().on_body(body)
+            return
+        assert isinstance(cycle, _Cycle)
+        # Before the app asks: keep the parser's pieces as they are (uvicorn would copy
+        # them into a bytearray, then again into bytes), pausing at uvicorn's mark.
+        early.append(body)
+        cycle.early_bytes += len(body)
+        if cycle.early_bytes > HIGH_WATER_LIMIT:
+            self.flow.pause_reading()
+        cycle.message_event.set()
 
     async def _body_into(self, cycle: RequestResponseCycle, view: memoryview) -> int:
         if cycle.waiting_for_100_continue and not self.transport.is_closing():
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             cycle.waiting_for_100_continue = False
         into = _Into(cycle, view)
-        if cycle.body:  # what came with the head, before the app asked
+        early = None
+        if isinstance(cycle, _Cycle):
+            early, cycle.early = cycle.early, None
+        for piece in early or ():  # what came with the head, before the app asked
+            into.feed(piece)
+        if cycle.body:
             into.feed(cycle.body)
             cycle.body = bytearray()
         self._into = into
@@ -232,10 +252,21 @@ class _Cork:
         return getattr(self.transport, name)
 
 
-class _CorkedCycle(RequestResponseCycle):
-    """uvicorn's request cycle, writing the response head with the first body piece."""
+class _Cycle(RequestResponseCycle):
+    """uvicorn's request cycle, writing the response head with the first body piece,
+    and keeping body pieces that arrive before the app asks as a list (``early``)."""
 
     _cork: _Cork | None = None
+    early: list[bytes] | None = None
+    early_bytes = 0
+
+    async def receive(self) -> Any:
+        early = self.early
+        if early is not None:  # the app reads through receive(): hand the pieces over
+            self.early = None
+            if early:
+                self.body += b"".join(early)
+        return await super().receive()
 
     async def send(self, message: Any) -> None:
         if message["type"] == "http.response.start" and not self.response_started:
