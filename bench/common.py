@@ -13,6 +13,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kvtier.policies.measure import run_times
+
 
 @dataclass(frozen=True, slots=True)
 class Sample:
@@ -30,25 +32,31 @@ class Sample:
 
 def measure(fn: Callable[[], object], *, repeat: int = 7, warmup: int = 2) -> Sample:
     """Run ``fn`` ``warmup`` times untimed, then ``repeat`` times timed."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+    times = run_times(fn, repeat, warmup)
     return Sample(statistics.median(times), min(times), max(times), repeat)
 
 
-def interleaved(fns: dict[str, Callable[[], object]], *, repeat: int = 7, warmup: int = 2) -> dict[str, Sample]:
+def interleaved(
+    fns: dict[str, Callable[[], object]],
+    *,
+    repeat: int = 7,
+    warmup: int = 2,
+    before: Callable[[], object] | None = None,
+) -> dict[str, Sample]:
     """Measure several functions with their runs interleaved, so drift on a shared
-    machine hits every contender alike (ratios stay honest)."""
+    machine hits every contender alike (ratios stay honest).
+
+    ``before``, when given, runs untimed before every timed call: e.g. to evict the CPU
+    caches, so no contender inherits bytes that the one before it pulled into cache.
+    """
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench import _same_host as same_host
 from kvtier.bench.common import envelope, write_json
 from kvtier.bench.redis_procs import RedisServer, free_port
 
@@ -193,7 +194,8 @@ def make_contenders(
 
     from kvtier.service.client import Client
 
-    kc = Client(servers.kvtier_url, pool=max(concurrency, 4), timeout_s=120)
+    # HTTP rows stay HTTP; the same-host channel has rows of its own (_same_host.py).
+    kc = Client(servers.kvtier_url, pool=max(concurrency, 4), timeout_s=120, same_host=False)
     rc = redis.Redis(
         connection_pool=redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]
             host="127.0.0.1",
@@ -390,7 +392,7 @@ def soak(seconds: float, clients: int, value_bytes: int) -> dict[str, Any]:
     counts = {"puts": 0, "gets": 0, "hits": 0, "errors": 0, "wrong_bytes": 0}
     lock = threading.Lock()
     errors: list[str] = []
-    client = Client(url, pool=clients, timeout_s=120)
+    client = Client(url, pool=clients, timeout_s=120, same_host=False)
 
     def worker(w: int) -> None:
         import random
@@ -481,6 +483,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--soak-s", type=float, default=None, help="soak length (0: skip)")
     ap.add_argument("--soak-only", action="store_true", help="skip the Redis comparison")
     ap.add_argument(
+        "--same-host-sizes",
+        default=",".join(str(s) for s in same_host.SIZES),
+        help="value sizes of the same-host (shared memory vs memcpy) rows; '' skips them",
+    )
+    ap.add_argument("--same-host-only", action="store_true", help="only the same-host rows")
+    ap.add_argument(
         "--batch",
         type=int,
         default=1,
@@ -490,7 +498,10 @@ def main(argv: list[str]) -> int:
     repeats = args.repeats or (5 if args.full else 2)
     target = (args.target_mib or (64 if args.full else 16)) * MiB
     soak_s = args.soak_s if args.soak_s is not None else (60.0 if args.full else 5.0)
-    sizes = [] if args.soak_only else [int(s) for s in args.sizes.split(",")]
+    sizes = [] if args.soak_only or args.same_host_only else [int(s) for s in args.sizes.split(",")]
+    sh_sizes = [] if args.soak_only else [int(s) for s in args.same_host_sizes.split(",") if s]
+    if args.same_host_only:
+        soak_s = 0.0
     concs = [int(c) for c in args.concurrency.split(",")]
 
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-daemon-"))
@@ -523,6 +534,21 @@ def main(argv: list[str]) -> int:
                             print(_line(row), flush=True)
                 finally:
                     _stop(kproc)
+        sh_rows: list[dict[str, Any]] = []
+        if sh_sizes:
+            print(same_host.HEADER)
+            with ThreadPoolExecutor(max_workers=max(same_host.CONCURRENCY)) as pool:
+                for size in sh_sizes:
+                    for row in same_host.rows_for_size(
+                        tmp,
+                        size,
+                        list(same_host.CONCURRENCY),
+                        target_bytes=target,
+                        repeats=repeats,
+                        pool=pool,
+                    ):
+                        sh_rows.append(row)
+                        print(same_host.line(row), flush=True)
     finally:
         redis_server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -546,6 +572,13 @@ def main(argv: list[str]) -> int:
         f"ratio kvtier/redis: median {summary['median_ratio']}, min {summary['min_ratio']}, "
         f"{summary['points_meeting_target']}/{summary['points']} points >= 0.8"
     )
+    sh_summary = same_host.summary(sh_rows)
+    if sh_rows:
+        print(
+            f"same-host ratio to memcpy: median {sh_summary['median_ratio']}, min "
+            f"{sh_summary['min_ratio']}, {sh_summary['points_meeting_target']}/"
+            f"{sh_summary['points']} points >= {same_host.TARGET_RATIO}"
+        )
     write_json(
         args.json,
         envelope(
@@ -553,6 +586,8 @@ def main(argv: list[str]) -> int:
             rows,
             soak=soak_out,
             summary=summary,
+            same_host_rows=sh_rows,
+            same_host_summary=sh_summary,
             settings={"repeats": repeats, "target_bytes": target, "full": args.full},
         ),
     )

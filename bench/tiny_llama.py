@@ -3,13 +3,17 @@
 ``load_format="dummy"`` gives near-uniform logits, so greedy outputs cannot tell correct
 KV from wrong KV. These weights are N(0, 1/fan_in)-scaled, so logits are sharp and a
 wrong KV block changes the output (the negative control in docs/connector.md).
+
+Also the engine arguments and options the vLLM benchmarks run it with, kept here once.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +29,11 @@ class TinyLlama:
     vocab: int = 1024
     max_positions: int = 8192
     seed: int = 1234
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        """Bytes of K and V of one token over all layers, in ``dtype`` (float32: 4 B)."""
+        elem = 4 if "32" in dtype else 2
+        return 2 * self.layers * self.kv_heads * self.head_dim * elem
 
 
 def write_tiny_llama(folder: str | Path, geo: TinyLlama = TinyLlama()) -> Path:
@@ -90,10 +99,56 @@ def write_tiny_llama(folder: str | Path, geo: TinyLlama = TinyLlama()) -> Path:
     return out
 
 
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The options of the vLLM benchmarks on this model: prompt, repeats, layers, dtype, the
+    connector's chunk and host tier, and where the JSON goes."""
+    p.add_argument("--tokens", type=int, default=4096, help="prompt length")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dtype", default="bfloat16", help="model and KV dtype (bfloat16, float32)")
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--host-bytes", default="1GiB")
+    p.add_argument("--json", default=None)
+
+
+def engine_args(
+    model: Path, tokens: int, dtype: str, *, prefix_caching: bool = False
+) -> dict[str, Any]:
+    """The benchmarks' vLLM ``LLM`` arguments for this model on prompts of ``tokens`` tokens.
+
+    Eager, two sequences at a time, a few positions beyond the prompt; vLLM's own prefix
+    cache off unless ``prefix_caching`` (a kvtier hit must come from kvtier).
+    """
+    return {
+        "model": str(model),
+        "load_format": "safetensors",
+        "skip_tokenizer_init": True,
+        "block_size": 32,
+        "max_model_len": tokens + 64,
+        "max_num_batched_tokens": tokens + 64,
+        "max_num_seqs": 2,
+        "enable_prefix_caching": prefix_caching,
+        "seed": 0,
+        "enforce_eager": True,
+        "dtype": dtype,
+    }
+
+
+def kvtier_transfer(
+    role: str, chunk_tokens: int, tiers: list[dict[str, Any]], **extra: Any
+) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` for kvtier's connector (``extra``: more connector keys)."""
+    return {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.connectors.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": {"store.chunk_tokens": chunk_tokens, "tiers": tiers, **extra},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvtier.bench.tiny_llama DIR``: write the model into DIR, print DIR."""
-    import argparse
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("folder", type=Path, help="where to write config.json and the weights")
     args = ap.parse_args(argv)

@@ -3,6 +3,7 @@
     kvtier bench vllm_e2e --json out.json [--tokens 4096] [--repeat 5] [--layers 4] ...
     kvtier bench vllm_e2e --disagg --json out.json [--tokens 8192] [--repeat 3] ...
     kvtier bench vllm_e2e --restart ...   (TTFT in a new engine process: vllm_restart.py)
+    kvtier bench vllm_e2e --no-reuse ...  (throughput cost when nothing repeats: vllm_noreuse.py)
 
 One engine with the kvtier connector (host tier). For each repeat, a fresh random
 prompt is sent twice with a fresh cache salt: the first run misses (vLLM computes the
@@ -52,23 +53,23 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.common import envelope, write_json
-from kvtier.bench.tiny_llama import TinyLlama, write_tiny_llama
+from kvtier.bench.tiny_llama import (
+    TinyLlama,
+    add_engine_options,
+    engine_args,
+    kvtier_transfer,
+    write_tiny_llama,
+)
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvtier bench vllm_e2e", description=__doc__)
-    p.add_argument("--tokens", type=int, default=4096, help="prompt length")
-    p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--layers", type=int, default=4)
+    add_engine_options(p)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--intermediate", type=int, default=1536)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", default="bfloat16", help="model and KV dtype (bfloat16, float32)")
-    p.add_argument("--chunk-tokens", type=int, default=256)
-    p.add_argument("--host-bytes", default="1GiB")
     p.add_argument("--model-dir", default=None, help="where to write the model (default: tmp)")
     p.add_argument(
         "--source",
@@ -100,7 +101,6 @@ def _args(argv: list[str]) -> argparse.Namespace:
         "this decode engine (kv_consumer) share a temporary kvtier daemon; the decode "
         "engine's TTFT after the handoff against the same engine cold",
     )
-    p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
 
@@ -123,6 +123,20 @@ def _geometry(a: argparse.Namespace) -> TinyLlama:
     )
 
 
+# One request timed to its first token: seconds, tokens vLLM found cached, the first
+# token, and the top-5 logprobs of that position.
+_FirstToken = tuple[float, int, int, dict[int, float]]
+
+
+def _first_token(llm: Any, prompt: Any, params: Any) -> _FirstToken:
+    t0 = time.perf_counter()
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    dt = time.perf_counter() - t0
+    lp = out.outputs[0].logprobs[0] if out.outputs[0].logprobs else {}
+    top = {int(t): float(v.logprob) for t, v in lp.items()}
+    return dt, int(out.num_cached_tokens or 0), int(out.outputs[0].token_ids[0]), top
+
+
 def _dlogprob(a: dict[int, float], b: dict[int, float]) -> float:
     """Largest difference of the top-5 logprobs both runs list (inf: none in common)."""
     common = a.keys() & b.keys()
@@ -134,6 +148,11 @@ def main(argv: list[str]) -> int:
         from kvtier.bench.vllm_restart import main as restart_main
 
         rc: int = restart_main(argv)
+        return rc
+    if "--no-reuse" in argv:  # two engine processes: see kvtier.bench.vllm_noreuse
+        from kvtier.bench.vllm_noreuse import main as noreuse_main
+
+        rc = noreuse_main(argv)
         return rc
     a = _args(argv)
     if a.disagg:
@@ -148,15 +167,9 @@ def main(argv: list[str]) -> int:
 
     kvtier = a.source == "kvtier"
     connector_cfg: dict[str, Any] = {
-        "kv_transfer_config": {
-            "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier.connectors.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "store.chunk_tokens": a.chunk_tokens,
-                "tiers": [{"kind": "host", "capacity_bytes": a.host_bytes}],
-            },
-        }
+        "kv_transfer_config": kvtier_transfer(
+            "kv_both", a.chunk_tokens, [{"kind": "host", "capacity_bytes": a.host_bytes}]
+        )
     }
     if a.daemon:
         # Daemon mode: the host tier above only sizes the scheduler's mirror.
@@ -173,30 +186,14 @@ def main(argv: list[str]) -> int:
             }
         }
     llm = LLM(
-        model=str(model),
-        load_format="safetensors",
-        skip_tokenizer_init=True,
-        block_size=32,
-        max_model_len=a.tokens + 64,
-        max_num_batched_tokens=a.tokens + 64,
-        max_num_seqs=2,
-        enable_prefix_caching=a.source == "prefix-cache",
-        seed=0,
-        enforce_eager=True,
-        dtype=a.dtype,
+        **engine_args(model, a.tokens, a.dtype, prefix_caching=a.source == "prefix-cache"),
         **(connector_cfg if a.source != "prefix-cache" else {}),
     )
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     rng = random.Random(0)
 
-    def run(tokens: list[int], salt: str) -> tuple[float, int, int, dict[int, float]]:
-        p = TokensPrompt(prompt_token_ids=tokens, cache_salt=salt)
-        t0 = time.perf_counter()
-        out = llm.generate([p], params, use_tqdm=False)[0]
-        dt = time.perf_counter() - t0
-        lp = out.outputs[0].logprobs[0] if out.outputs[0].logprobs else {}
-        top = {int(tid): float(v.logprob) for tid, v in lp.items()}
-        return dt, int(out.num_cached_tokens or 0), int(out.outputs[0].token_ids[0]), top
+    def run(tokens: list[int], salt: str) -> _FirstToken:
+        return _first_token(llm, TokensPrompt(prompt_token_ids=tokens, cache_salt=salt), params)
 
     miss_s: list[float] = []
     hit_s: list[float] = []
@@ -229,8 +226,7 @@ def main(argv: list[str]) -> int:
     if kvtier:
         connector: Any = get_kv_transfer_group()
         totals = connector.worker.totals()
-    elem = 4 if "32" in a.dtype else 2
-    kv_bytes_per_token = 2 * geo.layers * geo.kv_heads * geo.head_dim * elem
+    kv_bytes_per_token = geo.kv_bytes_per_token(a.dtype)
     identical = same_tokens == a.repeat and misses_clean
     med_hit, med_miss = statistics.median(hit_s), statistics.median(miss_s)
     pairs = [h / m for h, m in zip(hit_s, miss_s, strict=True)]
@@ -282,29 +278,15 @@ MARK = "KVTIER-PRODUCER "
 
 def _engine_kwargs(a: argparse.Namespace, model: Path, role: str, url: str) -> dict[str, Any]:
     return {
-        "model": str(model),
-        "load_format": "safetensors",
-        "skip_tokenizer_init": True,
-        "block_size": 32,
-        "max_model_len": a.tokens + 64,
-        "max_num_batched_tokens": a.tokens + 64,
-        "max_num_seqs": 2,
-        "enable_prefix_caching": False,  # every hit must come from kvtier
-        "seed": 0,
-        "enforce_eager": True,
-        "dtype": a.dtype,
-        "kv_transfer_config": {
-            "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier.connectors.vllm",
-            "kv_role": role,
-            "kv_connector_extra_config": {
-                "store.chunk_tokens": a.chunk_tokens,
-                "tiers": [{"kind": "host", "capacity_bytes": a.host_bytes}],
-                "url": url,
-                "daemon_timeout_s": 10.0,
-                "prefill_wait_s": 30.0,
-            },
-        },
+        **engine_args(model, a.tokens, a.dtype),
+        "kv_transfer_config": kvtier_transfer(
+            role,
+            a.chunk_tokens,
+            [{"kind": "host", "capacity_bytes": a.host_bytes}],
+            url=url,
+            daemon_timeout_s=10.0,
+            prefill_wait_s=30.0,
+        ),
     }
 
 
@@ -381,8 +363,7 @@ def run_disagg(a: argparse.Namespace) -> int:
     geo = _geometry(a)
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-disagg-"))
     model = write_tiny_llama(a.model_dir or tmp / "model", geo)
-    elem = 4 if "32" in a.dtype else 2
-    kv_bytes_per_token = 2 * geo.layers * geo.kv_heads * geo.head_dim * elem
+    kv_bytes_per_token = geo.kv_bytes_per_token(a.dtype)
     from kvtier.bench.daemon import start_kvtier
 
     url, daemon = start_kvtier(tmp, "2GiB", max_value_bytes=kv_bytes_per_token * a.chunk_tokens)
@@ -398,19 +379,14 @@ def run_disagg(a: argparse.Namespace) -> int:
 
         def decode(
             tokens: list[int], salt: str | None, handoff: dict[str, Any] | None
-        ) -> tuple[float, int, int, dict[int, float]]:
+        ) -> _FirstToken:
             p = TokensPrompt(prompt_token_ids=tokens)
             if salt is not None:
                 p["cache_salt"] = salt
             sp = params.clone()
             if handoff is not None:
                 sp.extra_args = {"kv_transfer_params": handoff}
-            t0 = time.perf_counter()
-            out = llm.generate([p], sp, use_tqdm=False)[0]
-            dt = time.perf_counter() - t0
-            lp = out.outputs[0].logprobs[0] if out.outputs[0].logprobs else {}
-            top = {int(t): float(v.logprob) for t, v in lp.items()}
-            return dt, int(out.num_cached_tokens or 0), int(out.outputs[0].token_ids[0]), top
+            return _first_token(llm, p, sp)
 
         def counters() -> dict[str, int]:
             st: dict[str, int] = httpx.get(url + "/v1/stats", timeout=10).json()["store"]

@@ -34,7 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.common import envelope, write_json
-from kvtier.bench.tiny_llama import TinyLlama, write_tiny_llama
+from kvtier.bench.tiny_llama import (
+    TinyLlama,
+    add_engine_options,
+    engine_args,
+    kvtier_transfer,
+    write_tiny_llama,
+)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -46,14 +52,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvtier bench vllm_restart", description=__doc__)
-    p.add_argument("--tokens", type=int, default=4096, help="prompt length")
-    p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--chunk-tokens", type=int, default=256)
-    p.add_argument("--host-bytes", default="1GiB")
-    p.add_argument("--json", default=None)
+    add_engine_options(p)
     p.add_argument("--restart", action="store_true", help=argparse.SUPPRESS)
     add_args(p)
     return p.parse_args(argv)
@@ -89,35 +88,18 @@ def _phase(a: argparse.Namespace) -> dict[str, Any]:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(
-        model=str(model),
-        load_format="safetensors",
-        skip_tokenizer_init=True,
-        block_size=32,
-        max_model_len=a.tokens + 64,
-        max_num_batched_tokens=a.tokens + 64,
-        max_num_seqs=2,
-        enable_prefix_caching=False,
-        seed=0,
-        enforce_eager=True,
-        dtype=a.dtype,
-        kv_transfer_config={
-            "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier.connectors.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "store.chunk_tokens": a.chunk_tokens,
-                "tiers": [
-                    {"kind": "host", "capacity_bytes": a.host_bytes},
-                    {
-                        "kind": "nvme",
-                        "capacity_bytes": a.nvme_bytes,
-                        "dir": str(work / "nvme"),
-                        "create_dirs": True,
-                    },
-                ],
-            },
+    tiers: list[dict[str, Any]] = [
+        {"kind": "host", "capacity_bytes": a.host_bytes},
+        {
+            "kind": "nvme",
+            "capacity_bytes": a.nvme_bytes,
+            "dir": str(work / "nvme"),
+            "create_dirs": True,
         },
+    ]
+    llm = LLM(
+        **engine_args(model, a.tokens, a.dtype),
+        kv_transfer_config=kvtier_transfer("kv_both", a.chunk_tokens, tiers),
     )
     start_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)

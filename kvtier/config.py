@@ -160,6 +160,13 @@ class ServiceConfig:
     data_dir: str = ""
     # Capacity of the nvme tier that data_dir adds.
     data_capacity_bytes: int = 8 * GiB
+    # Unix socket of the same-host channel (clients on this machine exchange values
+    # through shared memory they create; docs/operations.md). "auto": a fresh private
+    # directory (mode 0700) in $XDG_RUNTIME_DIR or the temp dir, removed at shutdown;
+    # a path: that socket (its directory made 0700); "": off, HTTP only.
+    socket: str = "auto"
+    # Largest shared-memory region one same-host client may hand the daemon to map.
+    socket_max_region_bytes: int = 1 * GiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,6 +424,12 @@ def _validate_service(s: ServiceConfig) -> None:
             s.max_inflight_bytes,
             f"at least service.max_body_bytes ({s.max_body_bytes})",
         )
+    if s.socket_max_region_bytes < 4096:
+        raise ConfigError(
+            "service.socket_max_region_bytes", s.socket_max_region_bytes, "at least 4KiB"
+        )
+    if len(s.socket.encode()) > 100:  # sockaddr_un holds 108 bytes
+        raise ConfigError("service.socket", s.socket, "a path of at most 100 bytes")
     if not 1024 <= s.max_header_bytes <= 1 << 24:
         raise ConfigError("service.max_header_bytes", s.max_header_bytes, "a size in [1KiB, 16MiB]")
     if not 0 < s.header_timeout_s <= 3600:

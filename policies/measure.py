@@ -20,6 +20,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,15 +45,19 @@ class Measured:
     disk_dir: str
 
 
-def _median_time(fn: object, repeat: int) -> float:
-    assert callable(fn)
-    fn()
+def run_times(fn: Callable[[], object], repeat: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of ``repeat`` timed calls of ``fn``, after ``warmup`` untimed ones.
+
+    Also the benchmarks' timing loop (``kvtier.bench.common.measure``).
+    """
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
 def measure_memory(total_bytes: int = 256 << 20, repeat: int = 5) -> dict[int, float]:
@@ -68,7 +73,7 @@ def measure_memory(total_bytes: int = 256 << 20, repeat: int = 5) -> dict[int, f
             for i in range(n):
                 dst[i * size : (i + 1) * size] = src[i * size : (i + 1) * size]
 
-        out[size] = n * size / _median_time(run, repeat)
+        out[size] = n * size / statistics.median(run_times(run, repeat))
     if not np.array_equal(src[: 1 << 20], dst[: 1 << 20]):
         raise RuntimeError("memory copy verification failed")
     return out
@@ -131,11 +136,11 @@ def measure(disk_dir: Path) -> Measured:
 
 def to_toml(m: Measured, name: str = "local") -> str:
     """A hardware TOML for ``kvtier calc --hardware``."""
-    return f"""# Measured by `kvtier info --profile` on this machine ({time.strftime('%Y-%m-%d')}).
+    return f"""# Measured by `kvtier info --profile` on this machine ({time.strftime("%Y-%m-%d")}).
 # Bandwidths are measured; latencies, prices, endurance and power come from the presets
 # (ddr5, nvme-tlc): they cannot be measured here. Edit them for your hardware.
-# memory copies by size (B/s): {', '.join(f'{k}: {v:.3g}' for k, v in m.memory_Bps.items())}
-# disk in {m.disk_dir}: O_DIRECT {'yes' if m.disk_o_direct else 'no (buffered + fdatasync)'}
+# memory copies by size (B/s): {", ".join(f"{k}: {v:.3g}" for k, v in m.memory_Bps.items())}
+# disk in {m.disk_dir}: O_DIRECT {"yes" if m.disk_o_direct else "no (buffered + fdatasync)"}
 name = "{name}"
 
 [gpu]

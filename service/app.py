@@ -36,6 +36,7 @@ from .guards import Gate
 from .metrics import MetricsMiddleware
 from .routes import batch, chunks, ops
 from .schemas import ErrorResponse
+from .shm import SameHostServer
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ def _lifespan(d: Daemon, cfg: KVTierConfig) -> Any:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        d.same_host = SameHostServer.start(d, s.socket, s.socket_max_region_bytes)
         d.ready = True
         log.info(
             "kvtier daemon ready: %d tier(s), values up to %d B, %s",
@@ -100,6 +102,9 @@ def _lifespan(d: Daemon, cfg: KVTierConfig) -> Any:
             yield
         finally:
             d.ready = False
+            if d.same_host is not None:
+                # Its requests in progress finish before the store closes under them.
+                await asyncio.to_thread(d.same_host.close, s.shutdown_timeout_s)
             log.info("kvtier daemon shutting down: flushing and closing the store")
             await asyncio.to_thread(d.close)
             log.info("kvtier daemon: store closed")

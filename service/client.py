@@ -19,14 +19,19 @@ never an error: ``get`` returns None, lookups count misses.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
+import logging
+import threading
 import time
-from collections.abc import AsyncIterator, Generator, Sequence
-from typing import Any, TypeVar
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Generator, Iterator, Sequence
+from typing import Any, Generic, TypeVar
 
 import httpx
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import override
 
 from kvtier.errors import InputError, TransportError
 from kvtier.store.types import LookupResult, PutResult
@@ -34,9 +39,15 @@ from kvtier.store.types import LookupResult, PutResult
 from . import protocol as p
 from . import wire
 from .protocol import Call, Fetched, KeyLike, Op, Reply, RetryPolicy
+from .shm_client import SameHost, SameHostDown
 from .transport import HTTP11Transport, RawHTTP
 
 T = TypeVar("T")
+# The httpx transport a client takes: blocking for Client, asyncio for AsyncClient.
+TransportT = TypeVar("TransportT", httpx.BaseTransport, httpx.AsyncBaseTransport)
+log = logging.getLogger(__name__)
+SAME_HOST_HOLD_S = 1.0
+"""After the same-host channel fails, HTTP only for this long before trying it again."""
 
 DEFAULT_URL = "http://127.0.0.1:8470"
 _OCTET_LINE = f"Content-Type: {wire.MEDIA_TYPE}\r\n".encode("ascii")
@@ -55,6 +66,16 @@ def _writable(buf: Buffer) -> memoryview:
     return view
 
 
+def _parsed(status: int, body: bytes, content_type: str) -> Reply:
+    parsed: Any = None
+    if content_type.startswith("application/json") and body:
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None
+    return Reply(status, body, parsed)
+
+
 class _AsyncParts:
     """Body pieces for httpx.AsyncClient, iterable again on a retry."""
 
@@ -66,7 +87,7 @@ class _AsyncParts:
             yield part  # type: ignore[misc]  # httpx sends any bytes-like piece
 
 
-class _Base:
+class _Base(ABC, Generic[TransportT]):
     """Settings and request building shared by both clients.
 
     Args:
@@ -92,6 +113,7 @@ class _Base:
         batch_keys: int = 1024,
         max_body_bytes: int = 256 * 1024 * 1024,
         pool: int = 64,
+        transport: TransportT | None = None,
     ) -> None:
         if batch_keys < 1:
             raise InputError(f"batch_keys must be >= 1, got {batch_keys}")
@@ -102,6 +124,11 @@ class _Base:
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self._limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
+        self._open(transport)
+
+    @abstractmethod
+    def _open(self, transport: TransportT | None) -> None:
+        """Make the httpx client (``self._http``) over ``transport``."""
 
     def _request_kwargs(self, call: Call, *, asynchronous: bool = False) -> dict[str, Any]:
         kw: dict[str, Any] = {"headers": self._headers}
@@ -121,19 +148,37 @@ class _Base:
         return kw
 
     @staticmethod
-    def _reply(status: int, body: bytes, content_type: str) -> Reply:
-        parsed: Any = None
-        if content_type.startswith("application/json") and body:
-            try:
-                parsed = json.loads(body)
-            except ValueError:
-                parsed = None
-        return Reply(status, body, parsed)
+    def _reply(r: httpx.Response) -> Reply:
+        return _parsed(r.status_code, r.content, r.headers.get("content-type", ""))
 
     @staticmethod
     def _translate(exc: httpx.HTTPError, call: Call) -> TransportError:
         what = "timed out" if isinstance(exc, httpx.TimeoutException) else "failed"
         return TransportError(f"{call.method} {call.path} {what}: {type(exc).__name__}: {exc}")
+
+    def _delays(self, call: Call) -> Iterator[float]:
+        """Waits before each retry; none for a call that must not be repeated."""
+        return self.retry.delays() if call.idempotent else iter(())
+
+    @staticmethod
+    def _retry_step(
+        call: Call, delays: Iterator[float], outcome: Reply | TransportError
+    ) -> Reply | float:
+        """What follows one attempt: the reply to return, or the wait in seconds before the next.
+
+        Retries a transport error or a retryable status while ``delays`` lasts; then the last
+        reply stands, or the last error is raised.
+        """
+        if isinstance(outcome, Reply) and outcome.status not in p.RETRY_STATUSES:
+            return outcome
+        delay = next(delays, None)
+        if delay is None:
+            if isinstance(outcome, TransportError):
+                raise outcome
+            return outcome
+        if call.sink is not None:
+            call.sink.reset()
+        return delay
 
     # Batch operations need the client's limits; single ones do not.
     def _lookup(self, keys: Sequence[KeyLike]) -> Op[LookupResult]:
@@ -143,13 +188,41 @@ class _Base:
         return p.op_put_many(keys, values, self.batch_keys, self.max_body_bytes)
 
 
-class Client(_Base):
+def is_loopback(url: str) -> bool:
+    """True when ``url`` names this machine by a loopback address or ``localhost``."""
+    host = httpx.URL(url).host
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _op_same_host() -> Op[str | None]:
+    reply = yield Call("GET", "/v1/same-host")
+    if reply.status == 404:  # a daemon from before the same-host channel
+        return None
+    p.check(reply)
+    path = reply.json.get("socket") if isinstance(reply.json, dict) else None
+    return str(path) if path else None
+
+
+class Client(_Base[httpx.BaseTransport]):
     """Blocking client. Thread-safe: share one between threads.
 
-    For ``http://`` URLs it sends through :class:`~kvtier.service.transport.HTTP11Transport`
-    (httpx's API over ``http.client``; a third of httpcore's CPU per request). Pass
-    ``transport=httpx.HTTPTransport()`` for httpx's own.
+    For ``http://`` URLs it sends through :class:`~kvtier.service.transport.RawHTTP`
+    (HTTP/1.1 on plain sockets: a quarter of the client CPU per request that httpx over
+    ``http.client`` took). Pass a transport (e.g. ``httpx.HTTPTransport()``) to send
+    through httpx instead.
+
+    With a loopback URL, values go through shared memory when the daemon offers its
+    same-host channel (:mod:`kvtier.service.shm_client`; ``same_host=False`` forces
+    HTTP). A channel that fails is logged and HTTP serves until it works again.
+    Buffers from :meth:`shared_buffer` then move no byte on this side.
     """
+
+    _http: httpx.Client
 
     def __init__(
         self,
@@ -157,9 +230,18 @@ class Client(_Base):
         token: str | None = None,
         *,
         transport: httpx.BaseTransport | None = None,
+        same_host: bool = True,
         **kw: Any,
     ) -> None:
-        super().__init__(url, token, **kw)
+        self._token = token
+        self._shm: SameHost | None = None
+        self._shm_lock = threading.Lock()
+        self._shm_retry_at = 0.0
+        super().__init__(url, token, transport=transport, **kw)
+        self._want_shm = same_host and transport is None and is_loopback(self.url)
+
+    @override
+    def _open(self, transport: httpx.BaseTransport | None) -> None:
         # For http:// without a transport of the caller's, requests skip httpx's models:
         # RawHTTP builds one head and parses one (a fraction of httpx's CPU per request).
         self._raw: RawHTTP | None = None
@@ -171,7 +253,7 @@ class Client(_Base):
                 timeout_s=self._timeout.read or 30.0,
             )
             transport = HTTP11Transport(
-                pool=1,
+                pool=1,  # unused while RawHTTP sends
                 connect_timeout_s=self._timeout.connect or 2.0,
                 timeout_s=self._timeout.read or 30.0,
             )
@@ -183,24 +265,16 @@ class Client(_Base):
         )
 
     def _send(self, call: Call) -> Reply:
-        delays = self.retry.delays() if call.idempotent else iter(())
+        delays = self._delays(call)
         while True:
             try:
-                reply = self._send_once(call)
+                outcome: Reply | TransportError = self._send_once(call)
             except httpx.HTTPError as exc:
-                err: TransportError | None = self._translate(exc, call)
-            else:
-                if reply.status not in p.RETRY_STATUSES:
-                    return reply
-                err = None
-            delay = next(delays, None)
-            if delay is None:
-                if err is not None:
-                    raise err
-                return reply
-            if call.sink is not None:
-                call.sink.reset()
-            time.sleep(delay)
+                outcome = self._translate(exc, call)
+            step = self._retry_step(call, delays, outcome)
+            if isinstance(step, Reply):
+                return step
+            time.sleep(step)
 
     def _send_once(self, call: Call) -> Reply:
         if self._raw is not None:
@@ -208,11 +282,11 @@ class Client(_Base):
         kw = self._request_kwargs(call)
         if call.sink is None:
             r = self._http.request(call.method, call.path, **kw)
-            return self._reply(r.status_code, r.content, r.headers.get("content-type", ""))
+            return self._reply(r)
         with self._http.stream(call.method, call.path, **kw) as r:
             if r.status_code != 200:
                 r.read()
-                return self._reply(r.status_code, r.content, r.headers.get("content-type", ""))
+                return self._reply(r)
             for piece in r.iter_raw():
                 call.sink.feed(piece)
             return Reply(200, b"")
@@ -231,7 +305,7 @@ class Client(_Base):
         status, headers, data = raw.request(call.method, call.path, head, body, sink)
         if sink is not None and status == 200:
             return Reply(200, b"")
-        return self._reply(status, data, headers.get("content-type", ""))
+        return _parsed(status, data, headers.get("content-type", ""))
 
     def _run(self, op: Generator[Call, Reply, T]) -> T:
         try:
@@ -242,31 +316,113 @@ class Client(_Base):
             result: T = stop.value
             return result
 
+    # -- the same-host channel ------------------------------------------------------------------
+
+    def _same_host(self) -> SameHost | None:
+        """The channel, connecting it when due; None: use HTTP."""
+        if not self._want_shm:
+            return None
+        shm = self._shm
+        if shm is not None or time.monotonic() < self._shm_retry_at:
+            return shm
+        with self._shm_lock:
+            if self._shm is not None or time.monotonic() < self._shm_retry_at:
+                return self._shm
+            try:
+                path = self._run(_op_same_host())
+                if path is None:
+                    self._want_shm = False  # the daemon has none: HTTP for good
+                    log.info("kvtier daemon %s offers no same-host socket; using HTTP", self.url)
+                    return None
+                self._shm = SameHost(path, self._token, self._timeout.read or 30.0)
+                log.info("kvtier daemon %s: values through shared memory (%s)", self.url, path)
+            except (SameHostDown, TransportError, OSError) as exc:
+                self._shm_retry_at = time.monotonic() + SAME_HOST_HOLD_S
+                log.warning("kvtier same-host channel unusable, using HTTP: %s", exc)
+            return self._shm
+
+    def _shm_failed(self, shm: SameHost, exc: Exception) -> None:
+        with self._shm_lock:
+            if self._shm is shm:
+                self._shm = None
+                self._shm_retry_at = time.monotonic() + SAME_HOST_HOLD_S
+                log.warning("kvtier same-host channel failed, using HTTP: %s", exc)
+        shm.close()
+
+    @property
+    def same_host_socket(self) -> str | None:
+        """The daemon socket values go through now; None while they go through HTTP."""
+        shm = self._same_host()
+        return shm.path if shm is not None else None
+
+    def shared_buffer(self, nbytes: int) -> npt.NDArray[np.uint8]:
+        """A uint8 buffer of ``nbytes``; in shared memory when the same-host channel is
+        up, so puts from it and gets into it copy nothing on this side. Keep it while the
+        client lives."""
+        shm = self._same_host()
+        if shm is not None:
+            try:
+                return shm.shared_buffer(nbytes)
+            except OSError as exc:
+                log.warning("kvtier shared buffer of %d B unavailable: %s", nbytes, exc)
+        return np.empty(nbytes, dtype=np.uint8)
+
     # -- the API (each line runs one shared operation) --------------------------------------
 
     def put(self, key: KeyLike, value: bytes | bytearray | memoryview) -> PutResult:
         """Store one value (keys are write-once: a present key reports ``present``)."""
-        return self._run(p.op_put(key, value))
+        return self.put_many([key], [value])
 
     def get(self, key: KeyLike) -> bytes | None:
         """One value, or None when the key is not present."""
+        shm = self._same_host()
+        if shm is not None:
+            buf = bytearray(shm.info.max_value_bytes)
+            try:
+                got = shm.get_into([p.raw_key(key)], memoryview(buf))
+            except SameHostDown as exc:
+                self._shm_failed(shm, exc)
+            else:
+                return bytes(buf[: got.nbytes]) if got.chunks else None
         return self._run(p.op_get(key))
 
     def exists(self, key: KeyLike) -> bool:
+        if self._same_host() is not None:
+            return self.lookup([key]).hits == 1
         return self._run(p.op_exists(key))
 
     def delete(self, key: KeyLike) -> bool:
         """Remove a key; True when it was present."""
+        shm = self._same_host()
+        if shm is not None:
+            try:
+                return shm.delete([p.raw_key(key)]) > 0
+            except SameHostDown as exc:
+                self._shm_failed(shm, exc)
         return self._run(p.op_delete(key))
 
     def lookup(self, keys: Sequence[KeyLike]) -> LookupResult:
         """Length of the leading run of present keys, and the tier of each hit."""
+        shm = self._same_host()
+        if shm is not None:
+            try:
+                return shm.lookup([p.raw_key(k) for k in keys])
+            except SameHostDown as exc:
+                self._shm_failed(shm, exc)
         return self._run(self._lookup(keys))
 
     def put_many(
         self, keys: Sequence[KeyLike], values: Sequence[bytes | bytearray | memoryview]
     ) -> PutResult:
         """Store values in as few batch requests as the limits allow."""
+        shm = self._same_host()
+        if shm is not None:
+            try:
+                return shm.put([p.raw_key(k) for k in keys], values)
+            except SameHostDown as exc:
+                self._shm_failed(shm, exc)
+        if len(keys) == 1 and len(values) == 1:
+            return self._run(p.op_put(keys[0], values[0]))
         return self._run(self._put_many(keys, values))
 
     def get_many(self, keys: Sequence[KeyLike]) -> list[bytes]:
@@ -276,10 +432,18 @@ class Client(_Base):
     def get_into(self, keys: Sequence[KeyLike], buffer: Buffer) -> Fetched:
         """Copy the leading run of present values into ``buffer``, packed, as they arrive.
 
-        The one copy is from the socket's pieces into ``buffer``; values that do not fit
-        whole end the run. Use a numpy array, bytearray or any writable buffer.
+        The one copy is from the socket's pieces (or, same-host, the daemon's tier) into
+        ``buffer``; values that do not fit whole end the run. Use a numpy array,
+        bytearray or any writable buffer.
         """
-        return self._run(p.op_get_into(keys, _writable(buffer), self.batch_keys))
+        dst = _writable(buffer)
+        shm = self._same_host()
+        if shm is not None:
+            try:
+                return shm.get_into([p.raw_key(k) for k in keys], dst)
+            except SameHostDown as exc:
+                self._shm_failed(shm, exc)
+        return self._run(p.op_get_into(keys, dst, self.batch_keys))
 
     def stats(self) -> dict[str, Any]:
         return self._run(p.op_stats())
@@ -292,6 +456,8 @@ class Client(_Base):
             return False
 
     def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
         if self._raw is not None:
             self._raw.close()
         self._http.close()
@@ -303,51 +469,38 @@ class Client(_Base):
         self.close()
 
 
-class AsyncClient(_Base):
+class AsyncClient(_Base[httpx.AsyncBaseTransport]):
     """asyncio client. Use from one event loop; concurrent tasks share its pool."""
 
-    def __init__(
-        self,
-        url: str = DEFAULT_URL,
-        token: str | None = None,
-        *,
-        transport: httpx.AsyncBaseTransport | None = None,
-        **kw: Any,
-    ) -> None:
-        super().__init__(url, token, **kw)
+    _http: httpx.AsyncClient
+
+    @override
+    def _open(self, transport: httpx.AsyncBaseTransport | None) -> None:
         self._http = httpx.AsyncClient(
             base_url=self.url, timeout=self._timeout, limits=self._limits, transport=transport
         )
 
     async def _send(self, call: Call) -> Reply:
-        delays = self.retry.delays() if call.idempotent else iter(())
+        delays = self._delays(call)
         while True:
             try:
-                reply = await self._send_once(call)
+                outcome: Reply | TransportError = await self._send_once(call)
             except httpx.HTTPError as exc:
-                err: TransportError | None = self._translate(exc, call)
-            else:
-                if reply.status not in p.RETRY_STATUSES:
-                    return reply
-                err = None
-            delay = next(delays, None)
-            if delay is None:
-                if err is not None:
-                    raise err
-                return reply
-            if call.sink is not None:
-                call.sink.reset()
-            await asyncio.sleep(delay)
+                outcome = self._translate(exc, call)
+            step = self._retry_step(call, delays, outcome)
+            if isinstance(step, Reply):
+                return step
+            await asyncio.sleep(step)
 
     async def _send_once(self, call: Call) -> Reply:
         kw = self._request_kwargs(call, asynchronous=True)
         if call.sink is None:
             r = await self._http.request(call.method, call.path, **kw)
-            return self._reply(r.status_code, r.content, r.headers.get("content-type", ""))
+            return self._reply(r)
         async with self._http.stream(call.method, call.path, **kw) as r:
             if r.status_code != 200:
                 await r.aread()
-                return self._reply(r.status_code, r.content, r.headers.get("content-type", ""))
+                return self._reply(r)
             async for piece in r.aiter_raw():
                 call.sink.feed(piece)
             return Reply(200, b"")

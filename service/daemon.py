@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from .limits import Budget, Limits
 from .metrics import RequestMetrics, TenantCounters
 from .schemas import KEY_PATTERN
 from .tenants import Authenticator, KeyMapper, Tenant, load_or_create_salt
+
+if TYPE_CHECKING:
+    from .shm import SameHostServer
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,8 @@ class Daemon:
         self.metrics = RequestMetrics()
         self.tenants = TenantCounters()
         self.ready = False
+        # The same-host channel (shared memory), started and stopped by the app's lifespan.
+        self.same_host: SameHostServer | None = None
         # Store calls that may block (a shared tier's round trip bounded by its budget, a
         # sync journal commit) run here, never on the event loop: a hung Redis must not
         # stall /healthz or the requests that do not need it.

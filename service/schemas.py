@@ -171,6 +171,14 @@ else:
     )
 
 
+class SameHostResponse(Strict):
+    socket: str | None = Field(
+        description="Path of the daemon's same-host Unix socket (docs/operations.md); "
+        "null when service.socket is off."
+    )
+    version: int = Field(description="The frame format's version (kvtier.service.shm_wire).")
+
+
 class StatsResponse(Strict):
     tenant: TenantStatsModel
     store: StoreStatsModel

@@ -2,33 +2,27 @@
 
 :class:`DaemonLink` wraps :class:`kvtier.service.client.Client`. Every call answers: a
 daemon that is down, slow, restarting or refusing a request is a miss (lookups and
-loads) or a dropped store, logged at most once per :data:`LOG_EVERY_S` with the reason.
-After a failure the link stops calling the daemon for a hold-off that doubles up to
-:data:`MAX_HOLD_S`, answering misses at once (LMCache keeps serving from its other
-tiers), then tries again, so it reconnects by itself when the daemon is back.
+loads) or a dropped store, logged with the reason; after a failure the link holds off,
+answering misses at once (LMCache keeps serving from its other tiers), then tries again,
+so it reconnects by itself when the daemon is back (:mod:`kvtier.service.breaker`).
 
-Thread-safe: the client keeps a pool of connections; the breaker's fields sit under a lock.
+Thread-safe: the client keeps a pool of connections; the breaker keeps its fields under a lock.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.errors import ConfigError, InputError, KVTierError
+from kvtier.errors import ConfigError, KVTierError
 from kvtier.keys import ChunkKey
+from kvtier.service.breaker import Breaker
 from kvtier.service.client import Client
 from kvtier.service.protocol import RetryPolicy
 from kvtier.store.types import PutResult
 
 log = logging.getLogger(__name__)
-
-LOG_EVERY_S = 30.0
-FIRST_HOLD_S = 0.5
-MAX_HOLD_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,12 +65,7 @@ class DaemonLink:
             retry=RetryPolicy(retries=1, backoff_s=0.02, max_backoff_s=0.05),
             pool=pool,
         )
-        self._lock = threading.Lock()
-        self._hold_until = 0.0
-        self._hold_s = FIRST_HOLD_S
-        self._last_log = -LOG_EVERY_S
-        self._failures = 0
-        self.failures_total = 0
+        self._breaker = Breaker(settings.url, dropped="stores", refused="the value")
         # The daemon's largest value (None until it answered once).
         self.max_value_bytes: int | None = None
         self._adopt_limits()
@@ -86,7 +75,7 @@ class DaemonLink:
         try:
             limits = self._client.stats()["limits"]
         except (KVTierError, KeyError, TypeError) as exc:
-            self._failed("start-up check", exc)
+            self._breaker.failed("start-up check", exc)
             return
         self._client.max_body_bytes = int(limits["max_body_bytes"])
         self._client.batch_keys = int(limits["max_batch_keys"])
@@ -96,81 +85,33 @@ class DaemonLink:
 
     def available(self) -> bool:
         """False while the link holds off after a failure (calls answer misses at once)."""
-        with self._lock:
-            return time.monotonic() >= self._hold_until
+        available: bool = self._breaker.available()
+        return available
 
-    def _ok(self) -> None:
-        with self._lock:
-            if not self._failures:
-                return
-            self._failures = 0
-            self._hold_s = FIRST_HOLD_S
-            self._hold_until = 0.0
-        log.info("kvtier daemon %s answers again", self.settings.url)
-
-    def _failed(self, what: str, exc: Exception) -> None:
-        now = time.monotonic()
-        with self._lock:
-            self._failures += 1
-            self.failures_total += 1
-            self._hold_until = now + self._hold_s
-            self._hold_s = min(MAX_HOLD_S, self._hold_s * 2)
-            speak = now - self._last_log >= LOG_EVERY_S
-            if speak:
-                self._last_log = now
-            failures = self._failures
-        if speak:
-            hint = (
-                "; the daemon refuses the value: raise its service.max_value_bytes"
-                if isinstance(exc, InputError)
-                else ""
-            )
-            log.warning(
-                "kvtier daemon %s: %s failed (%d in a row); serving misses and dropping "
-                "stores until it answers: %s%s",
-                self.settings.url,
-                what,
-                failures,
-                exc,
-                hint,
-            )
+    @property
+    def failures_total(self) -> int:
+        """Failed daemon requests since the link was made."""
+        n: int = self._breaker.failures_total
+        return n
 
     # -- chunk operations (each answers; none raises) -----------------------------------------
 
     def exists(self, key: ChunkKey) -> bool:
-        if not self.available():
-            return False
-        try:
-            found: bool = self._client.exists(key)
-        except KVTierError as exc:
-            self._failed("exists", exc)
-            return False
-        self._ok()
+        found: bool = self._breaker.call("exists", lambda: self._client.exists(key), False)
         return found
 
     def hits(self, keys: Sequence[ChunkKey]) -> int:
         """Length of the leading run of ``keys`` the daemon holds; 0 when it cannot be asked."""
-        if not keys or not self.available():
+        if not keys:
             return 0
-        try:
-            n: int = self._client.lookup(list(keys)).hits
-        except KVTierError as exc:
-            self._failed(f"lookup of {len(keys)} keys", exc)
-            return 0
-        self._ok()
+        what = f"lookup of {len(keys)} keys"
+        n: int = self._breaker.call(what, lambda: self._client.lookup(list(keys)).hits, 0)
         return n
 
     def get_into(self, key: ChunkKey, dst: memoryview) -> int:
         """Copy one value into ``dst``; its length in bytes, or 0 for a miss."""
-        if not self.available():
-            return 0
-        try:
-            got = self._client.get_into([key], dst)
-        except KVTierError as exc:
-            self._failed("load", exc)
-            return 0
-        self._ok()
-        return got.nbytes if got.chunks == 1 else 0
+        got = self._breaker.call("load", lambda: self._client.get_into([key], dst), None)
+        return got.nbytes if got is not None and got.chunks == 1 else 0
 
     def put(self, key: ChunkKey, value: memoryview) -> bool:
         """Store one value; True when the daemon holds it afterwards."""
@@ -186,15 +127,11 @@ class DaemonLink:
         """
         if not keys:
             return PutResult(0, 0, 0, 0)
-        if not self.available():
-            return None
-        try:
-            res: PutResult = self._client.put_many(list(keys), list(values))
-        except KVTierError as exc:
-            self._failed(f"store of {len(keys)} chunks", exc)
-            return None
-        self._ok()
-        if res.rejected or res.failed:
+        what = f"store of {len(keys)} chunks"
+        res: PutResult | None = self._breaker.call(
+            what, lambda: self._client.put_many(list(keys), list(values)), None
+        )
+        if res is not None and (res.rejected or res.failed):
             log.debug(
                 "kvtier daemon %s kept %d of %d chunks (%d rejected, %d failed)",
                 self.settings.url,
@@ -206,14 +143,7 @@ class DaemonLink:
         return res
 
     def delete(self, key: ChunkKey) -> bool:
-        if not self.available():
-            return False
-        try:
-            gone: bool = self._client.delete(key)
-        except KVTierError as exc:
-            self._failed("delete", exc)
-            return False
-        self._ok()
+        gone: bool = self._breaker.call("delete", lambda: self._client.delete(key), False)
         return gone
 
     def ready(self) -> bool:

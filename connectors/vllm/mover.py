@@ -84,11 +84,13 @@ class BlockMover(ABC):
     blocks; the connector guarantees they are not rewritten until it returns.
 
     Attributes:
+        device: where the KV tensors are.
         num_layers: layers (tensors) moved per block.
         page_bytes: bytes of one block of one layer.
         layout: the byte order inside a page (:func:`layout_tag`), part of the rank keys.
     """
 
+    device: torch.device
     num_layers: int
     page_bytes: int
     layout: str
@@ -101,10 +103,14 @@ class BlockMover(ABC):
     def mark(self) -> object | None:
         """Called on the engine thread after the step's forward; the token goes to gather.
 
-        A device implementation records an event here so that ``gather`` (on another
-        thread and stream) waits for the step's writes. The CPU needs nothing.
+        On CUDA this records an event so that ``gather`` (on another thread and stream)
+        waits for the step's writes. The CPU needs nothing.
         """
-        return None
+        if self.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ev.record()
+        return ev
 
     @abstractmethod
     def gather(self, block_ids: Sequence[int], after: object | None = None) -> torch.Tensor:
@@ -127,8 +133,12 @@ class BlockMover(ABC):
         """
 
     def host_buffer(self, n_blocks: int) -> torch.Tensor:
-        """A host staging tensor for ``n_blocks`` blocks (pinned where that helps)."""
-        return torch.empty((n_blocks, self.num_layers, self.page_bytes), dtype=torch.uint8)
+        """A host staging tensor for ``n_blocks`` blocks (pinned on CUDA)."""
+        return torch.empty(
+            (n_blocks, self.num_layers, self.page_bytes),
+            dtype=torch.uint8,
+            pin_memory=self.device.type == "cuda",
+        )
 
     def close(self) -> None:  # noqa: B027 -- optional hook; most movers hold nothing
         """Release device resources (staging); the mover is unusable afterwards."""
@@ -169,20 +179,6 @@ class TorchBlockMover(BlockMover):
         self._stream: torch.cuda.Stream | None = None
         if self.on_cuda:
             self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-
-    @override
-    def mark(self) -> object | None:
-        if not self.on_cuda:
-            return None
-        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        ev.record()
-        return ev
-
-    @override
-    def host_buffer(self, n_blocks: int) -> torch.Tensor:
-        return torch.empty(
-            (n_blocks, self.num_layers, self.page_bytes), dtype=torch.uint8, pin_memory=self.on_cuda
-        )
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
@@ -268,18 +264,6 @@ class EngineBlockMover(BlockMover):
         # the engine's own streams then wait for it (TransferEngine orders after the
         # caller's current stream).
         self._after = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-
-    @override
-    def mark(self) -> object | None:
-        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        ev.record()
-        return ev
-
-    @override
-    def host_buffer(self, n_blocks: int) -> torch.Tensor:
-        return torch.empty(
-            (n_blocks, self.num_layers, self.page_bytes), dtype=torch.uint8, pin_memory=True
-        )
 
     @override
     def gather(self, block_ids: Sequence[int], after: object | None = None) -> torch.Tensor:

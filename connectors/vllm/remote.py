@@ -11,20 +11,18 @@ token's tenant namespace, so engines with the same token share chunks and engine
 different tokens never see each other's.
 
 Faults (STYLE.md rule 5): the daemon being down, slow or refusing a request is a miss
-(lookups and loads) or a dropped save, logged at most once per :data:`LOG_EVERY_S`. No
-engine step waits longer than about ``timeout_s`` (one retry): after a failure the
-store stops calling the daemon for a hold-off that doubles up to :data:`MAX_HOLD_S`,
-answering misses at once, then tries again, so it reconnects when the daemon returns.
+(lookups and loads) or a dropped save, logged with the reason. No engine step waits
+longer than about ``timeout_s`` (one retry): after a failure the store holds off,
+answering misses at once, then tries again, so it reconnects when the daemon returns
+(:mod:`kvtier.service.breaker`).
 
 Threading: one instance per worker, used from the engine thread (loads) and the save
-thread (saves); the client is thread-safe and the breaker's fields sit under a lock.
+thread (saves); the client is thread-safe and the breaker keeps its fields under a lock.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -33,7 +31,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.errors import ConfigError, InputError, KVTierError
+from kvtier.errors import ConfigError, KVTierError
+from kvtier.service.breaker import Breaker
 from kvtier.store.types import GetResult, LookupResult, PutResult
 
 from .keys import rank_keys
@@ -46,9 +45,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-LOG_EVERY_S = 30.0
-FIRST_HOLD_S = 0.5
-MAX_HOLD_S = 5.0
 TIER_NAME = "daemon"
 
 
@@ -94,11 +90,8 @@ class RemoteStore:
             retry=RetryPolicy(retries=1, backoff_s=0.02, max_backoff_s=0.05),
             pool=4,
         )
-        self._lock = threading.Lock()
-        self._hold_until = 0.0
-        self._hold_s = FIRST_HOLD_S
-        self._last_log = -LOG_EVERY_S
-        self._failures = 0
+        self._breaker = Breaker(settings.url, dropped="saves", refused=f"values of {chunk_bytes} B")
+        self._staging: npt.NDArray[np.uint8] | None = None
         self._check_limits()
 
     def _check_limits(self) -> None:
@@ -107,7 +100,7 @@ class RemoteStore:
         except KVTierError as exc:
             # Not fatal: the daemon may start after the engine. A too-small limit then
             # shows as refused saves, logged with the same advice.
-            self._failed("start-up check", exc)
+            self._breaker.failed("start-up check", exc)
             return
         max_value = int(limits["max_value_bytes"])
         if max_value < self.chunk_bytes:
@@ -127,71 +120,27 @@ class RemoteStore:
             max_value,
         )
 
-    # -- the breaker --------------------------------------------------------------------------
-
-    def _available(self) -> bool:
-        with self._lock:
-            return time.monotonic() >= self._hold_until
-
-    def _ok(self) -> None:
-        with self._lock:
-            if self._failures:
-                log.info("kvtier daemon %s answers again", self.settings.url)
-            self._failures = 0
-            self._hold_s = FIRST_HOLD_S
-            self._hold_until = 0.0
-
-    def _failed(self, what: str, exc: Exception) -> None:
-        now = time.monotonic()
-        with self._lock:
-            self._failures += 1
-            self._hold_until = now + self._hold_s
-            self._hold_s = min(MAX_HOLD_S, self._hold_s * 2)
-            speak = now - self._last_log >= LOG_EVERY_S
-            if speak:
-                self._last_log = now
-            failures = self._failures
-        if speak:
-            hint = (
-                f"; the daemon refuses values of {self.chunk_bytes} B: raise its "
-                "service.max_value_bytes"
-                if isinstance(exc, InputError)
-                else ""
-            )
-            log.warning(
-                "kvtier daemon %s: %s failed (%d in a row), serving misses and dropping saves "
-                "until it answers: %s%s",
-                self.settings.url,
-                what,
-                failures,
-                exc,
-                hint,
-            )
-
     # -- the store API the worker uses ----------------------------------------------------------
 
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
         """Leading run of ``keys`` the daemon holds; a miss when it cannot be asked."""
-        if not keys or not self._available():
+        if not keys:
             return LookupResult(0, ())
-        try:
-            res: LookupResult = self._client.lookup([bytes(k).hex() for k in keys])
-        except KVTierError as exc:
-            self._failed("lookup", exc)
-            return LookupResult(0, ())
-        self._ok()
+        hexes = [bytes(k).hex() for k in keys]
+        res: LookupResult = self._breaker.call(
+            "lookup", lambda: self._client.lookup(hexes), LookupResult(0, ())
+        )
         return res
 
     def get(self, keys: Sequence[bytes], dst: npt.NDArray[Any]) -> Future[GetResult]:
         """Copy the leading run of present chunks into ``dst`` (packed), synchronously."""
-        if not keys or not self._available():
+        got = None
+        if keys:
+            hexes = [bytes(k).hex() for k in keys]
+            what = f"load of {len(keys)} chunks"
+            got = self._breaker.call(what, lambda: self._client.get_into(hexes, dst), None)
+        if got is None:
             return _done(GetResult(0, 0, (), ()))
-        try:
-            got = self._client.get_into([bytes(k).hex() for k in keys], dst)
-        except KVTierError as exc:
-            self._failed(f"load of {len(keys)} chunks", exc)
-            return _done(GetResult(0, 0, (), ()))
-        self._ok()
         return _done(GetResult(got.chunks, got.nbytes, got.value_bytes, (TIER_NAME,) * got.chunks))
 
     def put(self, keys: Sequence[bytes], data: npt.NDArray[Any]) -> Future[PutResult]:
@@ -199,18 +148,28 @@ class RemoteStore:
         n = len(keys)
         if not n:
             return _done(PutResult(0, 0, 0, 0))
-        if not self._available():
-            return _done(PutResult(0, 0, 0, n))
-        flat = data.reshape(-1).view(np.uint8)
-        size = flat.nbytes // n
-        values = [flat[i * size : (i + 1) * size].data for i in range(n)]
-        try:
-            res = self._client.put_many([bytes(k).hex() for k in keys], values)
-        except KVTierError as exc:
-            self._failed(f"save of {n} chunks", exc)
-            return _done(PutResult(0, 0, 0, n))
-        self._ok()
+
+        def save() -> PutResult:
+            flat = data.reshape(-1).view(np.uint8)
+            size = flat.nbytes // n
+            values = [flat[i * size : (i + 1) * size].data for i in range(n)]
+            saved: PutResult = self._client.put_many([bytes(k).hex() for k in keys], values)
+            return saved
+
+        res: PutResult = self._breaker.call(f"save of {n} chunks", save, PutResult(0, 0, 0, n))
         return _done(res)
+
+    def staging(self, nbytes: int) -> npt.NDArray[np.uint8] | None:
+        """A reusable buffer of ``nbytes`` in memory shared with the daemon, or None when
+        values go through HTTP. A get into it costs one copy in all (the daemon's, from
+        its tier); the buffer is overwritten by the next call. For one thread (loads run
+        on the engine thread)."""
+        if self._client.same_host_socket is None:
+            return None
+        if self._staging is None or self._staging.nbytes < nbytes:
+            # Plain memory when shared memory cannot be had (logged by the client).
+            self._staging = self._client.shared_buffer(max(nbytes, 2 * self.chunk_bytes))
+        return self._staging[:nbytes]
 
     def stats(self) -> RemoteStats:
         return RemoteStats()

@@ -169,6 +169,12 @@ class WorkerSide:
         n = len(op.keys)
         bpc = self.blocks_per_chunk
         staging = mover.host_buffer(n * bpc)
+        if isinstance(store, RemoteStore) and not staging.is_pinned():
+            # Same-host daemon: it copies straight from its tier into this buffer. (A
+            # pinned buffer, for a CUDA device copy, stays what the mover gave.)
+            shared = store.staging(staging.numel())
+            if shared is not None:
+                staging = torch.from_numpy(shared).view(staging.shape)
         good = 0
         try:
             res = store.get(rank_keys(self._salt, op.keys), staging.numpy()).result()

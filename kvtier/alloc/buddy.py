@@ -151,9 +151,12 @@ class BuddyAllocator:
             return None
         offset = next(iter(self._free[src]))
         self._pop_free(offset, src)
+        free, free_order = self._free, self._free_order  # the split loop runs per op: inlined
         while src > order:
             src -= 1
-            self._push_free(offset + (1 << src), src)
+            half = offset + (1 << src)
+            free[src][half] = None
+            free_order[half] = src
         self._alloc[offset] = order
         self._free_units -= 1 << order
         return Extent(offset, order)
@@ -186,7 +189,8 @@ class BuddyAllocator:
         return out
 
     def free(self, offset: int, n_units: int) -> None:
-        """Free ``[offset, offset + n_units)``, which must lie inside allocated blocks.
+        """Free ``[offset, offset + n_units)``, which must lie inside allocated blocks (one
+        or several adjacent ones).
 
         Any sub-range of an allocated block may be freed; the block is split so the rest
         stays allocated. Raises InputError on a double free or a range never allocated,
@@ -194,11 +198,19 @@ class BuddyAllocator:
         """
         if n_units < 1 or offset < 0 or offset + n_units > self.capacity_units:
             raise InputError(f"free range [{offset}, {offset + n_units}) outside the arena")
-        pieces = _aligned_pieces(offset, n_units)
-        owners = [self._owner(o, k) for o, k in pieces]
-        for (o, k), owner in zip(pieces, owners, strict=True):
-            if owner is None:
-                raise InputError(f"free of [{o}, {o + (1 << k)}): not allocated (double free?)")
+        pieces: list[tuple[int, int]] = []
+        todo = _aligned_pieces(offset, n_units)
+        todo.reverse()  # a stack, lowest offset on top
+        while todo:
+            o, k = todo.pop()
+            if self._owner(o, k) is not None:
+                pieces.append((o, k))
+            elif k > 0:
+                # The range spans several allocated blocks (adjacent extents freed
+                # together): free its halves, each inside one block.
+                todo += ((o + (1 << (k - 1)), k - 1), (o, k - 1))
+            else:
+                raise InputError(f"free of [{o}, {o + 1}): not allocated (double free?)")
         for o, k in pieces:
             owner = self._owner(o, k)  # earlier pieces may have split the owner
             assert owner is not None
@@ -238,17 +250,17 @@ class BuddyAllocator:
 
     def _owner(self, offset: int, order: int) -> int | None:
         """Offset of the allocated block that contains the aligned block (offset, order)."""
-        for k in range(order, self.max_order + 1):
-            base = offset & ~((1 << k) - 1)
-            if self._alloc.get(base) == k:
-                return base
-        return None
+        return self._container(self._alloc, offset, order)
 
     def _free_owner(self, offset: int, order: int) -> int | None:
         """Offset of the free block that contains the aligned block (offset, order)."""
+        return self._container(self._free_order, offset, order)
+
+    def _container(self, blocks: dict[int, int], offset: int, order: int) -> int | None:
+        """Offset of the block of ``blocks`` (offset -> order) that contains (offset, order)."""
         for k in range(order, self.max_order + 1):
             base = offset & ~((1 << k) - 1)
-            if self._free_order.get(base) == k:
+            if blocks.get(base) == k:
                 return base
         return None
 

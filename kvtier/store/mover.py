@@ -83,6 +83,8 @@ class Mover:
         self, keys: list[ChunkKey], view: memoryview, value_bytes: int, prefix: list[ChunkKey]
     ) -> PutResult:
         """Store the new ``keys`` (values packed in ``view``), protecting ``prefix``."""
+        if not prefix:
+            return self._put_pinned(keys, view, value_bytes)
         held = self.index.pin(prefix)
         try:
             return self._put_pinned(keys, view, value_bytes)
@@ -391,7 +393,7 @@ class Mover:
             for i in idx:
                 written[i] = True
         moved = 0
-        with self.index.lock:
+        with self.index.lock, self.index.batched_frees_locked():
             for i, old in enumerate(victims):
                 new = new_slots[i] if written[i] else None
                 if self.index.repoint_locked(old, new, drop=drop_on_failure):

@@ -11,6 +11,7 @@ from ..metrics import store_exposition
 from ..schemas import (
     ErrorResponse,
     LimitsModel,
+    SameHostResponse,
     StatsResponse,
     StatusResponse,
     StoreStatsModel,
@@ -50,6 +51,8 @@ def router(d: Daemon) -> APIRouter:
     )
     async def metrics(_: TenantDep) -> Response:
         lines = d.metrics.exposition() + d.tenants.exposition() + store_exposition(d.store.stats())
+        if d.same_host is not None:
+            lines += d.same_host.metrics.exposition()
         lines += [
             "# HELP kvtier_service_ready 1 while the daemon serves requests.",
             "# TYPE kvtier_service_ready gauge",
@@ -57,6 +60,16 @@ def router(d: Daemon) -> APIRouter:
         ]
         return Response(
             "\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    @api.get(
+        "/v1/same-host",
+        summary="The same-host channel (shared memory) for clients on this machine, if on.",
+    )
+    async def same_host(_: TenantDep) -> SameHostResponse:
+        return SameHostResponse(
+            socket=str(d.same_host.path) if d.same_host is not None else None,
+            version=1,
         )
 
     @api.get("/v1/stats", summary="Store counters, the caller's own counters, limits.")

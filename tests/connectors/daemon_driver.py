@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvtier.connectors.vllm.remote import MAX_HOLD_S
+from kvtier.service.breaker import MAX_HOLD_S
 
 SHARED_SEED = 7
 PROMPT_TOKENS = 300  # 4 full chunks of 64 tokens

@@ -55,6 +55,29 @@ def test_double_free_and_foreign_free_are_refused_without_change() -> None:
     assert a.stats() == before
 
 
+def test_a_range_over_adjacent_blocks_is_freed_in_one_call() -> None:
+    # The store releases a deleted sequence's slots a run at a time; a run can span
+    # several adjacent extents (here [0, 2) and [2, 4), which form no block of 4).
+    a = BuddyAllocator(16, 4)
+    first, second = a.allocate(1), a.allocate(1)
+    assert first is not None and second is not None
+    assert (first.offset, second.offset) == (0, 2)
+    a.free(0, 4)
+    assert a.free_units == 16
+    assert a.free_blocks()[0].units == 16  # coalesced back into one block
+
+
+def test_a_range_with_a_free_hole_is_refused_without_change() -> None:
+    a = BuddyAllocator(16, 4)
+    a.allocate(1)
+    a.allocate(1)
+    a.free(2, 1)  # [2, 3) free again: [0, 4) is no longer allocated throughout
+    before = (a.free_units, a.allocated_blocks(), a.free_blocks())
+    with pytest.raises(InputError):
+        a.free(0, 4)
+    assert (a.free_units, a.allocated_blocks(), a.free_blocks()) == before
+
+
 def test_claim_rebuilds_state() -> None:
     a = BuddyAllocator(100, 4)
     a.claim(5, 7)

@@ -1,0 +1,165 @@
+"""The same-host rows of ``kvtier bench daemon``: values through shared memory vs memcpy.
+
+A client on the daemon's host moves values through the daemon's same-host channel
+(:mod:`kvtier.service.shm`): its values lie in shared memory it created
+(``Client.shared_buffer``), the request carries only keys and offsets, and the daemon
+copies each value once, between that memory and its host tier. The baseline is what
+that one copy costs without a daemon: ``numpy.copyto`` of the same values between two
+buffers of this process, on as many threads, in the same run, rounds interleaved.
+
+Rows: ``{op: same_host_get | same_host_put, value_bytes, concurrency, kvtier_GBps,
+memcpy_GBps, ratio_memcpy, p50_ms, p99_ms, memcpy_p50_ms}`` (medians over repeats).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MiB = 1 << 20
+SIZES = (1 * MiB, 4 * MiB, 16 * MiB)
+CONCURRENCY = (1, 4)
+POOL_VALUES = 4
+TARGET_RATIO = 0.8
+
+
+def rows_for_size(
+    tmp: Path,
+    size: int,
+    concs: list[int],
+    *,
+    target_bytes: int,
+    repeats: int,
+    pool: ThreadPoolExecutor,
+) -> list[dict[str, Any]]:
+    """Start a daemon whose slot is ``size``, then time get and put at each concurrency."""
+    from kvtier.bench.daemon import _pct, _stop, drive, start_kvtier
+    from kvtier.service.client import Client
+
+    url, proc = start_kvtier(tmp, "1GiB", max_value_bytes=size)
+    rows: list[dict[str, Any]] = []
+    c = Client(url, pool=max(concs) + 1, timeout_s=120)
+    try:
+        if c.same_host_socket is None:
+            raise RuntimeError("the daemon's same-host channel is not in use")
+        rng = np.random.default_rng(0)
+        src = c.shared_buffer(POOL_VALUES * size)
+        src[:] = rng.integers(0, 256, src.size, dtype=np.uint8)
+        values = [src[i * size : (i + 1) * size] for i in range(POOL_VALUES)]
+        n_keys = max(POOL_VALUES, min(64, 256 * MiB // size))
+        keys = [os.urandom(16) for _ in range(n_keys)]
+        res = c.put_many(keys, [values[i % POOL_VALUES].data for i in range(n_keys)])
+        if res.stored != n_keys:
+            raise RuntimeError(f"working set not stored: {res}")
+        check = c.shared_buffer(size)
+        for i, k in enumerate(keys):  # every byte verified once
+            if c.get_into([k], check).nbytes != size or not np.array_equal(
+                check, values[i % POOL_VALUES]
+            ):
+                raise RuntimeError("same-host get returned wrong bytes")
+        # The baseline's destination: a ring larger than the caches, like the tier's arena.
+        ring = np.ones((max(4, 64 * MiB // size), size), dtype=np.uint8)
+        local = threading.local()
+
+        def dst() -> Any:
+            buf = getattr(local, "buf", None)
+            if buf is None:
+                buf = local.buf = c.shared_buffer(size)
+            return buf
+
+        def k_get(i: int) -> int:
+            got = c.get_into([keys[i % n_keys]], dst())
+            if got.nbytes != size:
+                raise RuntimeError("same-host get missed")
+            return size
+
+        def m_get(i: int) -> int:
+            np.copyto(dst(), ring[i % len(ring)])
+            return size
+
+        def m_put(i: int) -> int:
+            np.copyto(ring[i % len(ring)], values[i % POOL_VALUES])
+            return size
+
+        for conc in concs:
+            n_ops = max(4 * conc, target_bytes // size)
+            runs: dict[tuple[str, str], list[Any]] = {}
+            for rep in range(repeats + 1):  # the first round is a warm-up
+                fresh = [os.urandom(16) for _ in range(n_ops)]
+
+                def k_put(i: int, fresh: list[bytes] = fresh) -> int:
+                    r = c.put(fresh[i], values[i % POOL_VALUES].data)
+                    if r.stored != 1:
+                        raise RuntimeError(f"same-host put not stored: {r}")
+                    return size
+
+                order: list[tuple[str, str, Callable[[int], int]]] = [
+                    ("get", "kvtier", k_get),
+                    ("get", "memcpy", m_get),
+                    ("put", "kvtier", k_put),
+                    ("put", "memcpy", m_put),
+                ]
+                for op, who, fn in order if rep % 2 == 0 else order[::-1]:
+                    run = drive(fn, n_ops, conc, pool)
+                    if rep:
+                        runs.setdefault((op, who), []).append(run)
+                for lo in range(0, n_ops, 512):  # untimed: the tier never fills up
+                    for k in fresh[lo : lo + 512]:
+                        c.delete(k)
+            for op in ("get", "put"):
+                k_runs, m_runs = runs[(op, "kvtier")], runs[(op, "memcpy")]
+                k_gbps = statistics.median(r.GBps for r in k_runs)
+                m_gbps = statistics.median(r.GBps for r in m_runs)
+                k_lat = [x for r in k_runs for x in r.latencies_s]
+                m_lat = [x for r in m_runs for x in r.latencies_s]
+                rows.append(
+                    {
+                        "op": f"same_host_{op}",
+                        "value_bytes": size,
+                        "concurrency": conc,
+                        "kvtier_GBps": round(k_gbps, 4),
+                        "memcpy_GBps": round(m_gbps, 4),
+                        "ratio_memcpy": round(k_gbps / m_gbps, 3),
+                        "p50_ms": round(_pct(k_lat, 0.5) * 1e3, 3),
+                        "p99_ms": round(_pct(k_lat, 0.99) * 1e3, 3),
+                        "memcpy_p50_ms": round(_pct(m_lat, 0.5) * 1e3, 3),
+                        "ops_per_run": n_ops,
+                        "repeats": repeats,
+                    }
+                )
+    finally:
+        c.close()
+        _stop(proc)
+    return rows
+
+
+def line(r: dict[str, Any]) -> str:
+    return (
+        f"{r['op']:14} {r['value_bytes'] // MiB:>4}Mi {r['concurrency']:>4} "
+        f"{r['kvtier_GBps']:>11.3f} {r['memcpy_GBps']:>10.3f} {r['ratio_memcpy']:>6.2f} "
+        f"{r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['memcpy_p50_ms']:>10.3f}"
+    )
+
+
+HEADER = (
+    f"{'op':14} {'value':>6} {'conc':>4} {'kvtier GB/s':>11} {'memcpy GB/s':>10} {'ratio':>6} "
+    f"{'p50 ms':>8} {'p99 ms':>8} {'memcpy p50':>10}"
+)
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    ratios = [r["ratio_memcpy"] for r in rows]
+    return {
+        "target_ratio": TARGET_RATIO,
+        "min_ratio": min(ratios) if ratios else None,
+        "median_ratio": statistics.median(ratios) if ratios else None,
+        "points_meeting_target": sum(x >= TARGET_RATIO for x in ratios),
+        "points": len(ratios),
+    }

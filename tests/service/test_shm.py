@@ -1,0 +1,340 @@
+"""The same-host channel (shared memory over a Unix socket) against real daemons.
+
+Every test talks to a ``kvtier serve`` process through its real socket; hostile frames
+are sent with raw sockets, and a dying client is a real child process killed mid-request.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from kvtier.errors import AuthError, ConfigError, InputError
+from kvtier.service import shm_wire as w
+from kvtier.service.client import Client
+
+from .conftest import TOKENS, Daemon, DaemonFactory, free_port, start_daemon
+
+MiB = 1 << 20
+
+
+def _metric(d: Daemon, name: str, tenant: str | None = None) -> int:
+    text = httpx.get(f"{d.url}/metrics", headers=d.headers(tenant)).text
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in text.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    )
+
+
+def _socket_of(d: Daemon, tenant: str | None = None) -> str:
+    r = httpx.get(f"{d.url}/v1/same-host", headers=d.headers(tenant))
+    assert r.status_code == 200, r.text
+    path = r.json()["socket"]
+    assert path
+    return str(path)
+
+
+def _rand(n: int) -> bytes:
+    return np.random.default_rng().integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+# -- a well-behaved client ------------------------------------------------------------------
+
+
+def test_client_moves_values_through_shared_memory_bytes_equal(tenant_daemon: Daemon) -> None:
+    d = tenant_daemon
+    shm_before = _metric(d, "kvtier_same_host_requests_total", "alice")
+    http_before = _metric(d, 'kvtier_http_requests_total{route="/v1/chunks/{key}"', "alice")
+    keys = [os.urandom(16) for _ in range(6)]
+    values = [_rand(MiB), _rand(1000), _rand(1000), _rand(77), _rand(MiB), _rand(5)]
+    with Client(d.url, TOKENS["alice"]) as c:
+        res = c.put_many(keys, values)
+        assert (res.stored, res.present) == (6, 0)
+        assert c.put(keys[0], values[0]).present == 1
+        hit = c.lookup([*keys, os.urandom(16)])
+        assert hit.hits == 6 and hit.value_bytes == tuple(len(v) for v in values)
+        assert hit.tiers == ("host",) * 6
+        assert c.get(keys[3]) == values[3]
+        assert c.get(os.urandom(16)) is None
+        assert c.exists(keys[4])
+        out = bytearray(sum(map(len, values)))
+        got = c.get_into(keys, out)
+        assert got.chunks == 6 and bytes(out) == b"".join(values)
+        # A buffer too small for the third value ends the run there.
+        small = np.zeros(MiB + 1500, np.uint8)
+        got = c.get_into(keys, small)
+        assert (got.chunks, got.value_bytes) == (2, (MiB, 1000))
+        assert c.delete(keys[5]) and not c.exists(keys[5])
+    assert _metric(d, "kvtier_same_host_requests_total", "alice") >= shm_before + 9
+    # None of it went through the HTTP chunk routes.
+    assert _metric(d, 'kvtier_http_requests_total{route="/v1/chunks/{key}"', "alice") == (
+        http_before
+    )
+
+
+def test_shared_buffers_put_and_get_with_no_client_copy(tenant_daemon: Daemon) -> None:
+    with Client(tenant_daemon.url, TOKENS["alice"]) as c:
+        src = c.shared_buffer(4 * MiB)
+        src[:] = np.frombuffer(_rand(4 * MiB), np.uint8)
+        keys = [os.urandom(16) for _ in range(4)]
+        assert c.put_many(keys, [src[i * MiB : (i + 1) * MiB].data for i in range(4)]).stored == 4
+        dst = c.shared_buffer(4 * MiB)
+        got = c.get_into(keys, dst)
+        assert got.nbytes == 4 * MiB and np.array_equal(src, dst)
+        # A slice in the middle of a shared buffer is addressed in place too.
+        dst[:] = 0
+        assert c.get_into(keys[2:3], dst[MiB : 2 * MiB]).nbytes == MiB
+        assert np.array_equal(dst[MiB : 2 * MiB], src[2 * MiB : 3 * MiB])
+        assert not dst[:MiB].any() and not dst[2 * MiB :].any()
+
+
+def test_two_tokens_never_see_each_others_chunks(tenant_daemon: Daemon) -> None:
+    d = tenant_daemon
+    keys = [os.urandom(16) for _ in range(3)]
+    vals = [_rand(4096) for _ in keys]
+    with Client(d.url, TOKENS["alice"]) as alice, Client(d.url, TOKENS["bob"]) as bob:
+        assert alice.put_many(keys, vals).stored == 3
+        assert bob.lookup(keys).hits == 0
+        assert bob.get(keys[0]) is None
+        assert bob.get_into(keys, bytearray(3 * 4096)).chunks == 0
+        assert not bob.delete(keys[1])
+        assert bob.put(keys[2], b"bob's").stored == 1
+        assert bob.get(keys[2]) == b"bob's"
+        assert alice.get(keys[2]) == vals[2] and alice.lookup(keys).hits == 3
+        assert alice._shm is not None and bob._shm is not None  # both went same-host
+    # Over HTTP, alice's chunks stored through shared memory are hers as well.
+    with Client(d.url, TOKENS["alice"], same_host=False) as http_alice:
+        assert http_alice.get(keys[0]) == vals[0]
+
+
+def test_a_wrong_token_is_refused_on_the_socket(tenant_daemon: Daemon) -> None:
+    path = _socket_of(tenant_daemon, "alice")
+    from kvtier.service.shm_client import SameHost
+
+    with pytest.raises(AuthError):
+        SameHost(path, "not-a-token")
+
+
+def test_same_host_false_and_a_daemon_without_socket_use_http(
+    daemon_factory: DaemonFactory,
+) -> None:
+    d = daemon_factory("--set", "service.socket=")
+    assert httpx.get(f"{d.url}/v1/same-host").json() == {"socket": None, "version": 1}
+    with Client(d.url) as c:
+        assert c.put(os.urandom(16), b"x" * 10).stored == 1
+        assert c._shm is None
+    assert _metric(d, "kvtier_same_host_requests_total") == 0
+
+
+# -- hostile clients ------------------------------------------------------------------------
+
+
+def _raw(path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(10)
+    s.connect(path)
+    return s
+
+
+def _ask(s: socket.socket, frame: bytes, fds: list[int] | None = None) -> tuple[int, bytes]:
+    if fds:
+        socket.send_fds(s, [frame], fds)
+    else:
+        s.send(frame)
+    msg = s.recv(65536)
+    assert len(msg) >= w.REPLY.size, msg
+    return msg[4], msg[w.REPLY.size :]
+
+
+def _hello(s: socket.socket, token: str) -> None:
+    status, body = _ask(s, w.request(w.Op.HELLO, count=len(token)) + token.encode())
+    assert status == w.Status.OK, body
+    assert json.loads(body)["max_batch_keys"] >= 1
+
+
+def _memfd(n: int, *, seal: bool = True) -> int:
+    fd = os.memfd_create("t", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, n)
+    if seal:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    return fd
+
+
+def test_hostile_frames_are_refused_and_the_daemon_keeps_serving(
+    tenant_daemon: Daemon, tmp_path: Path
+) -> None:
+    d = tenant_daemon
+    path = _socket_of(d, "alice")
+    token = TOKENS["alice"]
+    key = os.urandom(16)
+
+    # Garbage is refused; a request before HELLO, or a wrong token, ends the connection.
+    s = _raw(path)
+    assert _ask(s, b"\x00garbage")[0] == w.Status.BAD_REQUEST
+    assert _ask(s, b"X" * 100)[0] == w.Status.BAD_REQUEST
+    assert _ask(s, w.request(w.Op.LOOKUP, count=1) + key)[0] == w.Status.UNAUTHORIZED
+    assert s.recv(100) == b""  # closed by the daemon
+    s.close()
+    s = _raw(path)
+    assert _ask(s, w.request(w.Op.HELLO, count=5) + b"wrong")[0] == w.Status.UNAUTHORIZED
+    assert s.recv(100) == b""
+    s.close()
+
+    s = _raw(path)
+    _hello(s, token)
+    unknown_op = bytearray(w.request(w.Op.LOOKUP, count=1) + key)
+    unknown_op[4] = 99
+    assert _ask(s, bytes(unknown_op))[0] == w.Status.BAD_REQUEST
+    assert _ask(s, w.request(w.Op.HELLO, count=len(token)) + token.encode())[0] == 1  # twice
+    # Counts that lie, or exceed the daemon's bound, and a frame over the bound.
+    assert _ask(s, w.request(w.Op.LOOKUP, count=3) + key)[0] == w.Status.BAD_REQUEST
+    assert _ask(s, w.request(w.Op.LOOKUP, count=2**32 - 1) + key)[0] == w.Status.TOO_LARGE
+    huge = w.request(w.Op.LOOKUP, count=4096) + os.urandom(16 * 4096)  # over 1024 keys
+    assert _ask(s, huge)[0] == w.Status.TOO_LARGE
+    # MAP without a descriptor, with two, with a regular file, a pipe, an unsealed memfd,
+    # a region larger than the memfd or than the daemon maps.
+    assert _ask(s, w.request(w.Op.MAP, region=1, length=4096))[0] == w.Status.BAD_REQUEST
+    two = [_memfd(4096), _memfd(4096)]
+    assert _ask(s, w.request(w.Op.MAP, region=1, length=4096), two)[0] == w.Status.BAD_REQUEST
+    f = tmp_path / "plain"
+    f.write_bytes(b"\0" * 4096)
+    plain = os.open(f, os.O_RDWR)
+    r, wr = os.pipe()
+    unsealed = _memfd(4096, seal=False)
+    small = _memfd(4096)
+    for fd, length in ((plain, 4096), (r, 4096), (unsealed, 4096), (small, 8192)):
+        status, why = _ask(s, w.request(w.Op.MAP, region=1, length=length), [fd])
+        assert status == w.Status.BAD_REQUEST, why
+    assert _ask(s, w.request(w.Op.MAP, region=1, length=2**62), [small])[0] == w.Status.TOO_LARGE
+    # A descriptor sent with any other op is refused (and closed by the daemon).
+    assert _ask(s, w.request(w.Op.LOOKUP, count=1) + key, [small])[0] == w.Status.BAD_REQUEST
+    # PUT/GET into an unmapped region, or outside a mapped one, or split unevenly.
+    assert _ask(s, w.request(w.Op.PUT, region=7, count=1, length=10) + key)[0] == 1
+    assert _ask(s, w.request(w.Op.MAP, region=1, length=4096), [small])[0] == w.Status.OK
+    outside = w.request(w.Op.GET, region=1, count=1, offset=4000, length=200) + key
+    assert _ask(s, outside)[0] == w.Status.BAD_REQUEST
+    uneven = w.request(w.Op.PUT, region=1, count=2, length=101) + key + os.urandom(16)
+    assert _ask(s, uneven)[0] == w.Status.BAD_REQUEST
+    dup = w.request(w.Op.PUT, region=1, count=2, length=100) + key + key
+    assert _ask(s, dup)[0] == w.Status.BAD_REQUEST
+    # After all that, this very connection still serves a good request.
+    status, body = _ask(s, w.request(w.Op.PUT, region=1, count=1, length=64) + key)
+    assert status == w.Status.OK and w.PUT_COUNTS.unpack_from(body)[0] == 1
+    for fd in (*two, plain, r, wr, unsealed, small):
+        os.close(fd)
+    s.close()
+
+    # And a new client sees the value the hostile connection stored, as alice's.
+    with Client(d.url, token) as c:
+        assert c.get(key) == b"\0" * 64
+        assert c._shm is not None
+    assert _metric(d, 'kvtier_same_host_requests_total{op="lookup",status="bad_request"', "alice")
+
+
+def test_a_client_killed_mid_request_leaves_the_daemon_serving(
+    tenant_daemon: Daemon, tmp_path: Path
+) -> None:
+    d = tenant_daemon
+    path = _socket_of(d, "alice")
+    keys = [os.urandom(16) for _ in range(8)]
+    with Client(d.url, TOKENS["alice"]) as c:
+        assert c.put_many(keys, [_rand(MiB) for _ in keys]).stored == 8
+    child = textwrap.dedent(
+        f"""
+        import fcntl, os, socket, sys
+        sys.path.insert(0, {str(Path(__file__).parents[2])!r})
+        from kvtier.service import shm_wire as w
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect({path!r})
+        tok = {TOKENS["alice"]!r}.encode()
+        s.send(w.request(w.Op.HELLO, count=len(tok)) + tok); s.recv(4096)
+        fd = os.memfd_create("c", os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, 8 << 20)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        socket.send_fds(s, [w.request(w.Op.MAP, region=1, length=8 << 20)], [fd]); s.recv(4096)
+        keys = b"".join(bytes.fromhex(k) for k in {[k.hex() for k in keys]!r})
+        for _ in range(20):
+            s.send(w.request(w.Op.GET, region=1, count=8, length=8 << 20) + keys)
+        os._exit(0)  # dies with its requests in flight, never reading a reply
+        """
+    )
+    for _ in range(3):
+        subprocess.run([sys.executable, "-c", child], check=True, timeout=60)
+    with Client(d.url, TOKENS["alice"]) as c:
+        out = c.shared_buffer(8 * MiB)
+        assert c.get_into(keys, out).chunks == 8
+    assert d.proc.poll() is None
+
+
+# -- restarts and shutdown ------------------------------------------------------------------
+
+
+def test_a_restarted_daemon_is_found_again_and_http_covers_the_gap(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    port = free_port()
+    first = start_daemon(tmp_path, tokens=TOKENS, port=port)
+    old_path = Path(_socket_of(first, "alice"))
+    key, value = os.urandom(16), _rand(3000)
+    with Client(first.url, TOKENS["alice"]) as c:
+        assert c.put(key, value).stored == 1
+        assert c._shm is not None
+        assert first.stop() in (0, -15)
+        assert not old_path.exists() and not old_path.parent.exists()  # removed at shutdown
+        second = daemon_factory(tokens=TOKENS, port=port)
+        # The old socket is gone: this call falls back to HTTP (a miss: memory tiers only) ...
+        assert c.get(key) is None
+        assert c.put(key, value).stored == 1
+        # ... and once the hold-off passes, the new daemon's socket is used.
+        deadline = time.monotonic() + 20
+        while c._shm is None and time.monotonic() < deadline:
+            time.sleep(0.3)
+            assert c.get(key) == value
+        assert c._shm is not None and c._shm.path == _socket_of(second, "alice")
+    assert _metric(second, "kvtier_same_host_requests_total", "alice") > 0
+
+
+def test_a_configured_socket_path_is_private_and_removed_at_stop(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    where = tmp_path / "run" / "kv.sock"
+    d = daemon_factory("--set", f"service.socket={where}")
+    assert _socket_of(d) == str(where)
+    assert where.stat().st_mode & 0o777 == 0o600
+    assert where.parent.stat().st_mode & 0o777 == 0o700
+    with Client(d.url) as c:
+        assert c.put(os.urandom(16), b"anonymous").stored == 1
+        assert c._shm is not None
+    assert d.stop() in (0, -15)
+    assert not where.exists()
+
+
+def test_bad_socket_settings_are_one_line_config_errors() -> None:
+    from kvtier.config import load_config
+
+    with pytest.raises(ConfigError, match="socket_max_region_bytes"):
+        load_config(overrides=["service.socket_max_region_bytes=10"])
+    with pytest.raises(ConfigError, match=r"service\.socket"):
+        load_config(overrides=["service.socket=/" + "x" * 200])
+
+
+def test_client_input_errors_are_not_channel_failures(tenant_daemon: Daemon) -> None:
+    with Client(tenant_daemon.url, TOKENS["alice"]) as c:
+        with pytest.raises(InputError):
+            c.put(os.urandom(16), b"")
+        with pytest.raises(InputError):  # over the daemon's max_value_bytes (1 MiB)
+            c.put(os.urandom(16), b"x" * (MiB + 1))
+        assert c._shm is not None
+
