@@ -377,13 +377,13 @@ class Client(_Base[httpx.BaseTransport]):
         """One value, or None when the key is not present."""
         shm = self._same_host()
         if shm is not None:
-            buf = bytearray(shm.info.max_value_bytes)
+            buf = np.empty(shm.info.max_value_bytes, dtype=np.uint8)  # pages untouched
             try:
-                got = shm.get_into([p.raw_key(key)], memoryview(buf))
+                got = shm.get_into([p.raw_key(key)], buf.data)
             except SameHostDown as exc:
                 self._shm_failed(shm, exc)
             else:
-                return bytes(buf[: got.nbytes]) if got.chunks else None
+                return buf[: got.nbytes].tobytes() if got.chunks else None
         return self._run(p.op_get(key))
 
     def exists(self, key: KeyLike) -> bool:

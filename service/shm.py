@@ -480,7 +480,7 @@ class SameHostServer:
         if len(set(ikeys)) != n:
             raise Refused(w.Status.BAD_REQUEST, "a request names the same key twice")
         try:
-            res = self.d.store.put(ikeys, view).result()
+            res = self.d.store.put(ikeys, view, inline=True).result()
         except InputError as exc:
             raise Refused(w.Status.BAD_REQUEST, str(exc)) from None
         self.d.tenants.add(tenant.name, put_chunks=res.stored, put_bytes=size * res.stored)
@@ -499,7 +499,7 @@ class SameHostServer:
         chunks, nbytes, lengths = 0, 0, tuple[int, ...]()
         if n:
             try:
-                res = self.d.store.get(ikeys[:n], view).result()
+                res = self.d.store.get(ikeys[:n], view, inline=True).result()
                 chunks, nbytes, lengths = res.chunks, res.nbytes, res.value_bytes
             except InputError:
                 pass  # re-stored with another length since the lookup: misses, as over HTTP

@@ -64,7 +64,9 @@ def _as_bytes_view(buf: Buffer, *, writable: bool) -> memoryview:
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
             raise InputError("buffer must be C-contiguous")
-        view = memoryview(buf.reshape(-1).view(np.uint8).data)
+        view = buf.data
+        if view.format != "B" or view.ndim != 1:  # a flat byte array (the usual case) is one call
+            view = memoryview(buf.reshape(-1).view(np.uint8).data)
     else:
         view = memoryview(buf)
     view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
@@ -123,7 +125,12 @@ class TieredStore:
     # -- public API ----------------------------------------------------------------------
 
     def put(
-        self, keys: Sequence[ChunkKey], data: Buffer, *, prefix: Sequence[ChunkKey] = ()
+        self,
+        keys: Sequence[ChunkKey],
+        data: Buffer,
+        *,
+        prefix: Sequence[ChunkKey] = (),
+        inline: bool = False,
     ) -> Future[PutResult]:
         """Store chunks whose values lie packed in ``data`` (equal length each).
 
@@ -136,6 +143,10 @@ class TieredStore:
         :attr:`slot_bytes`. The caller must keep ``data`` alive and unchanged until the
         future completes. Chunks already present are skipped. Never raises for tier
         failures: they show in :class:`PutResult` and the stats.
+
+        ``inline`` moves the bytes on the caller's thread and returns a done future: for
+        a caller that is itself a worker thread and would only wait (the daemon's
+        same-host connections), it saves a hand-off to an I/O thread and back.
 
         Raises:
             InputError: a malformed key (not 16 bytes), or sizes that can never work.
@@ -154,7 +165,7 @@ class TieredStore:
         value_bytes = view.nbytes // len(keys)
         if not 0 < value_bytes <= self.slot_bytes:
             raise InputError(f"chunk of {value_bytes} B; the store takes 1..{self.slot_bytes} B")
-        return self._submit(self._mover.put, keys, view, value_bytes, prefix)
+        return self._submit(self._mover.put, keys, view, value_bytes, prefix, inline=inline)
 
     def reserve(self, key: ChunkKey, value_bytes: int) -> Reservation | None:
         """A free slot for one new chunk, which the caller fills in place, then commits.
@@ -235,7 +246,9 @@ class TieredStore:
             tuple(sl.value_bytes for sl in slots),
         )
 
-    def get(self, keys: Sequence[ChunkKey], dst: Buffer) -> Future[GetResult]:
+    def get(
+        self, keys: Sequence[ChunkKey], dst: Buffer, *, inline: bool = False
+    ) -> Future[GetResult]:
         """Copy the leading present chunks of ``keys`` into ``dst``, packed.
 
         ``dst`` must hold at least the sum of their value lengths (``len(keys) *
@@ -243,7 +256,7 @@ class TieredStore:
         completes. A chunk that fails to read ends the run: the result counts only the
         chunks before it, so the caller never uses bytes that were not verified. Chunks
         missing from the index are looked for in shared tiers on the I/O thread, as in
-        :meth:`lookup`.
+        :meth:`lookup`. ``inline``: as for :meth:`put`.
         """
         self._check_open()
         keys = check_keys(keys)
@@ -254,7 +267,7 @@ class TieredStore:
             self._index.unread(slots)
             raise InputError(f"destination of {view.nbytes} B; the hit needs {need} B")
         tail = list(keys[len(slots) :]) if self._mover.shared else []
-        return self._submit(self._mover.get, slots, view, tail)
+        return self._submit(self._mover.get, slots, view, tail, inline=inline)
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         """Remove chunks; returns how many were present. Reads in flight finish first.
@@ -414,12 +427,13 @@ class TieredStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
-        """Run ``fn`` on an I/O thread, counted so :meth:`drain` can wait for it."""
+    def _submit(self, fn: Callable[..., T], *args: object, inline: bool = False) -> Future[T]:
+        """Run ``fn`` on an I/O thread (or, ``inline``, on this one), counted so
+        :meth:`drain` can wait for it."""
         with self._idle:
             self._inflight += 1
         try:
-            fut = self._pool.submit(fn, *args)
+            fut = (_INLINE if inline else self._pool).submit(fn, *args)
         except RuntimeError as exc:  # the pool was shut down by close()
             self._done(None)
             raise ClosedError("the store is closed") from exc
@@ -503,3 +517,6 @@ class _InlineExecutor:
 
     def shutdown(self, wait: bool = True) -> None:
         pass
+
+
+_INLINE = _InlineExecutor()
