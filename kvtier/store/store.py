@@ -64,7 +64,9 @@ def _as_bytes_view(buf: Buffer, *, writable: bool) -> memoryview:
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
             raise InputError("buffer must be C-contiguous")
-        view = memoryview(buf.reshape(-1).view(np.uint8).data)
+        view = memoryview(buf)
+        if view.format != "B" or view.ndim != 1:  # a flat byte array (the usual case) is one call
+            view = memoryview(buf.reshape(-1).view(np.uint8).data)
     else:
         view = memoryview(buf)
     view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
