@@ -15,8 +15,10 @@ and none of text but ports:
   ``api_server`` is started, awaited (``/readyz``, ``/health``), the block after it runs
   against it, then it is stopped as a user would (Ctrl-C for ``make serve``, which must
   end quietly with status 0). vLLM's server is a module fixture: its start is the
-  expensive part, so ``test_the_readme_server_hits_across_processes`` (the checks of
-  ``vllm serve`` across its processes) uses the same server; it stops after both.
+  expensive part, so it is launched before the first block (its start overlaps the
+  blocks before it; ``_vllm_launches_first``) and awaited at its own step, and
+  ``test_the_readme_server_hits_across_processes`` (the checks of ``vllm serve`` across
+  its processes) uses the same server; it stops after both.
 
 Two blocks are not executed, on purpose: ``make test`` (this suite; its recipe is checked
 with ``make -n``), and the one whose first line says it needs a CUDA host (its
@@ -26,6 +28,7 @@ block runs; no other kind of code block is allowed.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -198,22 +201,64 @@ class VllmServer:
     log: Path
 
 
+@dataclass(frozen=True)
+class Launched:
+    block: Block
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
 @pytest.fixture(scope="module")
-def readme_vllm(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-                ) -> Iterator[VllmServer]:
-    """The README's vLLM block (the tiny model, then its API server) started as written."""
-    pytest.importorskip("vllm")
+def readme_vllm_launched(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+                         ) -> Iterator[Launched]:
+    """The README's vLLM block (the tiny model, then its API server) started as written;
+    not awaited (``readme_vllm`` awaits it). Stopped at the module's end (SIGTERM)."""
+    if importlib.util.find_spec("vllm") is None:  # the server imports it, not this process
+        pytest.skip("vLLM is not installed (scripts/setup.sh test installs the CPU build)")
     (block,) = [b for b in blocks() if b.kind == "vllm"]
     log = tmp_path_factory.mktemp("readme-vllm") / "vllm.log"
-    url = f"http://127.0.0.1:{env['README_VLLM_PORT']}"
     proc = start(block.text, env, log)
     try:
-        wait_http(url + "/health", proc, log, 600)
-        model = re.search(r"--model (\S+)", block.text)
-        assert model, block.text
-        yield VllmServer(block, url, model.group(1).replace("~", env["HOME"], 1), log)
+        yield Launched(block, proc, log)
     finally:
         stop(proc, signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def readme_vllm(env: dict[str, str], readme_vllm_launched: Launched) -> VllmServer:
+    """The README's vLLM server, once it answers ``/health``."""
+    launched = readme_vllm_launched
+    url = f"http://127.0.0.1:{env['README_VLLM_PORT']}"
+    wait_http(url + "/health", launched.proc, launched.log, 600)
+    model = re.search(r"--model (\S+)", launched.block.text)
+    assert model, launched.block.text
+    return VllmServer(launched.block, url, model.group(1).replace("~", env["HOME"], 1),
+                      launched.log)
+
+
+def _needs_vllm(item: pytest.Item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "step" in callspec.params:
+        return bool(callspec.params["step"][0].kind == "vllm")
+    return "readme_vllm" in getattr(item, "fixturenames", ())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_launches_first(request: pytest.FixtureRequest) -> None:
+    """Launches the README's vLLM server before this module's first test, when a selected
+    test needs it, as a user might start it in another terminal first.
+
+    Its start takes minutes (three processes import vLLM and torch), and the blocks before
+    it (daemon, demo, calc) take minutes of their own, mostly on one core: they overlap
+    instead of adding up. It cannot make another block pass: it serves only its own port,
+    writes only under the temporary HOME (``~/kvtier-tiny-llama``), and every block still
+    checks its own output and that nothing was written into the repository root.
+    """
+    if importlib.util.find_spec("vllm") is None:
+        return  # the vLLM tests skip (readme_vllm_launched); the others run
+    if any(getattr(i, "module", None) is request.module and _needs_vllm(i)
+           for i in request.session.items):
+        request.getfixturevalue("readme_vllm_launched")
 
 
 def check_outputs(block: Block, res: subprocess.CompletedProcess[str], home: Path) -> None:
