@@ -489,20 +489,26 @@ class SameHostServer:
         )
 
     def _get(self, tenant: Tenant, ikeys: list[ChunkKey], view: memoryview) -> bytes:
-        hit = self.d.store.lookup(ikeys)
-        n, room = 0, view.nbytes
-        for size in hit.value_bytes:  # whole values only; the rest of the run is a miss
-            if size > room:
-                break
-            room -= size
-            n += 1
         chunks, nbytes, lengths = 0, 0, tuple[int, ...]()
-        if n:
-            try:
-                res = self.d.store.get(ikeys[:n], view, inline=True).result()
-                chunks, nbytes, lengths = res.chunks, res.nbytes, res.value_bytes
-            except InputError:
-                pass  # re-stored with another length since the lookup: misses, as over HTTP
+        try:
+            # The common case, the whole hit fits: one pass over the index.
+            res = self.d.store.get(ikeys, view, inline=True).result()
+            chunks, nbytes, lengths = res.chunks, res.nbytes, res.value_bytes
+        except InputError:
+            # It does not: the leading values that fit whole, as the HTTP batch get.
+            hit = self.d.store.lookup(ikeys)
+            n, room = 0, view.nbytes
+            for size in hit.value_bytes:
+                if size > room:
+                    break
+                room -= size
+                n += 1
+            if n:
+                try:
+                    res = self.d.store.get(ikeys[:n], view, inline=True).result()
+                    chunks, nbytes, lengths = res.chunks, res.nbytes, res.value_bytes
+                except InputError:
+                    pass  # re-stored with another length since the lookup: misses
         self.d.tenants.add(
             tenant.name,
             get_chunks=chunks,
