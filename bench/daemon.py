@@ -12,7 +12,10 @@ Values are random; every value read in the warm-up is compared with what was wri
 
 Rows: ``{op, value_bytes, concurrency, kvtier_GBps, redis_GBps, ratio, p50_ms, p99_ms}``
 (medians over repeats; ``ratio`` = kvtier / redis; latencies are kvtier's, Redis's are
-in ``redis_p50_ms``/``redis_p99_ms``).
+in ``redis_p50_ms``/``redis_p99_ms``). ``cpu_ms_per_op``: median CPU per request of
+each server process and of this client process (all threads), printed as
+``server+client`` ms: per-request cost, which load on a shared machine disturbs far less
+than throughput.
 
 The soak runs 64 clients against a daemon whose host tier is smaller than the key
 space (so puts evict all the time), for ``--soak-s`` seconds: errors, wrong bytes and
@@ -68,6 +71,7 @@ class Servers:
     redis_port: int
     kvtier: subprocess.Popen[bytes]
     tmp: Path
+    redis_pid: int = 0
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -131,6 +135,10 @@ class Run:
     wall_s: float
     nbytes: int
     latencies_s: list[float]
+    # CPU seconds the round cost the server process and this (client) process, all
+    # threads: per request, far steadier than wall time on a shared, loaded machine.
+    server_cpu_s: float = 0.0
+    client_cpu_s: float = 0.0
 
     @property
     def GBps(self) -> float:
@@ -164,6 +172,35 @@ def drive(op: Callable[[int], int], n_ops: int, concurrency: int, pool: ThreadPo
         f.result()
     wall = time.perf_counter() - t0
     return Run(wall, sum(moved), [x for xs in lat for x in xs])
+
+
+def _cpu_s(pid: int) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return float(t.user + t.system)
+
+
+def _self_cpu_s() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def drive_measured(
+    op: Callable[[int], int], n_ops: int, concurrency: int, pool: ThreadPoolExecutor, pid: int
+) -> Run:
+    """:func:`drive`, with the CPU time of server ``pid`` and of this process."""
+    s0, c0 = _cpu_s(pid), _self_cpu_s()
+    run = drive(op, n_ops, concurrency, pool)
+    s1, c1 = _cpu_s(pid), _self_cpu_s()
+    return Run(run.wall_s, run.nbytes, run.latencies_s, s1 - s0, c1 - c0)
+
+
+def _cpu_per_op(runs: list[Run], n_ops: int, *, server: bool) -> float:
+    per = [(r.server_cpu_s if server else r.client_cpu_s) / n_ops for r in runs]
+    return round(statistics.median(per) * 1e3, 3)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -322,13 +359,14 @@ def bench_point(
         results: dict[tuple[str, str], list[Run]] = {}
         for rep in range(repeats + 1):  # the first round is a warm-up
             for c in (kv, rd) if rep % 2 == 0 else (rd, kv):
-                run = drive(getter(c), n_ops, concurrency, pool)
+                pid = servers.kvtier.pid if c is kv else servers.redis_pid
+                run = drive_measured(getter(c), n_ops, concurrency, pool, pid)
                 if rep:
                     results.setdefault(("get", c.name), []).append(run)
                 # Fresh keys for every put round (a present key would be a no-op),
                 # removed afterwards, untimed, so the store never fills up.
                 keys = [os.urandom(16) for _ in range(n_ops * batch)]
-                run = drive(putter(c, keys), n_ops, concurrency, pool)
+                run = drive_measured(putter(c, keys), n_ops, concurrency, pool, pid)
                 c.delete(keys)
                 if rep:
                     results.setdefault(("put", c.name), []).append(run)
@@ -362,6 +400,14 @@ def bench_point(
                         round(min(r.GBps for r in r_runs), 4),
                         round(max(r.GBps for r in r_runs), 4),
                     ],
+                    # Median CPU per request (ms), server and client side, and what
+                    # Redis's pair costs over kvtier's (> 1: kvtier is cheaper).
+                    "cpu_ms_per_op": {
+                        "kvtier_server": _cpu_per_op(k_runs, n_ops, server=True),
+                        "kvtier_client": _cpu_per_op(k_runs, n_ops, server=False),
+                        "redis_server": _cpu_per_op(r_runs, n_ops, server=True),
+                        "redis_client": _cpu_per_op(r_runs, n_ops, server=False),
+                    },
                     "ops_per_run": n_ops,
                     "repeats": repeats,
                 }
@@ -468,8 +514,14 @@ def _line(r: dict[str, Any]) -> str:
         f"{r['op']:9} {r['value_bytes'] // KiB:>6}Ki {r['concurrency']:>4} "
         f"{r['kvtier_GBps']:>11.3f} {r['redis_GBps']:>10.3f} {r['ratio']:>6.2f} "
         f"{r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
-        f"{r['redis_p50_ms']:>9.2f} {r['redis_p99_ms']:>9.2f}"
+        f"{r['redis_p50_ms']:>9.2f} {r['redis_p99_ms']:>9.2f}  "
+        f"{_cpu_pair(r, 'kvtier'):>11} {_cpu_pair(r, 'redis'):>11}"
     )
+
+
+def _cpu_pair(r: dict[str, Any], who: str) -> str:
+    c = r["cpu_ms_per_op"]
+    return f"{c[who + '_server']:.2f}+{c[who + '_client']:.2f}"
 
 
 def main(argv: list[str]) -> int:
@@ -509,7 +561,8 @@ def main(argv: list[str]) -> int:
     rows: list[dict[str, Any]] = []
     print(
         f"{'op':9} {'value':>8} {'conc':>4} {'kvtier GB/s':>11} {'redis GB/s':>10} {'ratio':>6} "
-        f"{'p50 ms':>8} {'p99 ms':>8} {'redis p50':>9} {'redis p99':>9}"
+        f"{'p50 ms':>8} {'p99 ms':>8} {'redis p50':>9} {'redis p99':>9}  "
+        f"{'kv cpu ms':>11} {'redis cpu':>11}"
     )
     try:
         with ThreadPoolExecutor(max_workers=max(concs)) as pool:
@@ -518,7 +571,8 @@ def main(argv: list[str]) -> int:
                 # (docs/operations.md): a 256 KiB value in a 4 MiB slot wastes 15/16.
                 # 1 GiB holds the get working set plus every put round's fresh keys.
                 url, kproc = start_kvtier(tmp, "1GiB", max_value_bytes=size)
-                servers = Servers(url, redis_server.port, kproc, tmp)
+                assert redis_server.proc is not None
+                servers = Servers(url, redis_server.port, kproc, tmp, redis_server.proc.pid)
                 try:
                     for conc in concs:
                         for row in bench_point(

@@ -59,7 +59,7 @@ from kvtier.bench._gpu_case import (
     timed,
 )
 from kvtier.bench.common import envelope
-from kvtier.transfer import Layout, TransferEngine, TransferOptions
+from kvtier.transfer import Layout, TransferEngine, TransferHandle, TransferOptions
 
 
 def run_case(
@@ -463,9 +463,14 @@ def run_interference(
         mm_s = statistics.median([timed(dev, lambda: torch.matmul(a, b)) for _ in range(5)])
         n_stores = 3
 
-        def matmul_time() -> float:
-            """Seconds for n_mm matmuls on the compute stream (CUDA events where there)."""
+        def matmul_time(meanwhile: Callable[[], object] = lambda: None) -> float:
+            """Seconds for n_mm matmuls on the compute stream (CUDA events where there).
+
+            ``meanwhile`` runs once the matmuls are queued (on the CPU, where nothing is
+            queued, before them).
+            """
             if dev.type != "cuda":
+                meanwhile()
                 return float(timed(dev, lambda: [torch.matmul(a, b) for _ in range(n_mm)]))
             e0 = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             e1 = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
@@ -473,11 +478,21 @@ def run_interference(
             for _ in range(n_mm):
                 torch.matmul(a, b)
             e1.record()
+            meanwhile()
             e1.synchronize()
             return float(e0.elapsed_time(e1)) / 1e3
 
+        store_busy: list[float] = []
+
+        def stores_done(hs: list[TransferHandle], t0: float) -> None:
+            for h in hs:
+                h.wait()
+            store_busy.append(time.perf_counter() - t0)
+
         n_mm = max(4, int(n_stores * store_s / mm_s))
-        idle, busy, store_alone, store_busy = [], [], [], []
+        idle: list[float] = []
+        busy: list[float] = []
+        store_alone: list[float] = []
         for _ in range(reps + 1):
             idle.append(matmul_time())
             store_alone.append(
@@ -488,23 +503,7 @@ def run_interference(
             _sync(dev)
             t0 = time.perf_counter()
             hs = [eng.store(c.kv, c.ids_list, c.host) for _ in range(n_stores)]
-            if dev.type == "cuda":
-                e0 = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                e1 = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-                e0.record()
-                for _ in range(n_mm):
-                    torch.matmul(a, b)
-                e1.record()
-                for h in hs:
-                    h.wait()
-                store_busy.append(time.perf_counter() - t0)
-                e1.synchronize()
-                busy.append(e0.elapsed_time(e1) / 1e3)
-            else:
-                for h in hs:
-                    h.wait()
-                store_busy.append(time.perf_counter() - t0)
-                busy.append(timed(dev, lambda: [torch.matmul(a, b) for _ in range(n_mm)]))
+            busy.append(matmul_time(functools.partial(stores_done, hs, t0)))
         idle, busy, store_alone, store_busy = idle[1:], busy[1:], store_alone[1:], store_busy[1:]
         tf_idle = flops * n_mm / statistics.median(idle) / 1e12
         tf_busy = flops * n_mm / statistics.median(busy) / 1e12

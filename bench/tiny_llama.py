@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -99,17 +99,31 @@ def write_tiny_llama(folder: str | Path, geo: TinyLlama = TinyLlama()) -> Path:
     return out
 
 
+# The vLLM benchmarks' model by default; each field of _SHAPE is an option (--kv-heads ...).
+BENCH_GEOMETRY = TinyLlama(layers=4, hidden=512, intermediate=1536, heads=8, kv_heads=4)
+_SHAPE = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim")
+
+
 def add_engine_options(p: argparse.ArgumentParser) -> None:
-    """The options of the vLLM benchmarks on this model: prompt, repeats, layers, dtype, the
-    connector's chunk and host tier, and where the JSON goes."""
+    """The options of the vLLM benchmarks on this model: prompt, repeats, the model's shape,
+    dtype, the connector's chunk and host tier, and where the JSON goes."""
     p.add_argument("--tokens", type=int, default=4096, help="prompt length")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--layers", type=int, default=4)
+    for name in _SHAPE:
+        p.add_argument(
+            "--" + name.replace("_", "-"), type=int, default=getattr(BENCH_GEOMETRY, name)
+        )
     p.add_argument("--dtype", default="bfloat16", help="model and KV dtype (bfloat16, float32)")
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--host-bytes", default="1GiB")
     p.add_argument("--json", default=None)
+
+
+def bench_geometry(a: argparse.Namespace) -> TinyLlama:
+    """The model of :func:`add_engine_options`' options, with positions for the prompt."""
+    shape = {name: getattr(a, name) for name in _SHAPE}
+    return replace(BENCH_GEOMETRY, **shape, max_positions=max(8192, a.tokens + 64))
 
 
 def engine_args(

@@ -44,18 +44,17 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.common import envelope, write_json
+from kvtier.bench.common import LineChild, envelope, write_json
 from kvtier.bench.tiny_llama import (
-    TinyLlama,
     add_engine_options,
+    bench_geometry,
     engine_args,
     kvtier_transfer,
     write_tiny_llama,
@@ -65,11 +64,6 @@ from kvtier.bench.tiny_llama import (
 def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvtier bench vllm_e2e", description=__doc__)
     add_engine_options(p)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--intermediate", type=int, default=1536)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--model-dir", default=None, help="where to write the model (default: tmp)")
     p.add_argument(
         "--source",
@@ -111,18 +105,6 @@ def _env() -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
-def _geometry(a: argparse.Namespace) -> TinyLlama:
-    return TinyLlama(
-        layers=a.layers,
-        hidden=a.hidden,
-        intermediate=a.intermediate,
-        heads=a.heads,
-        kv_heads=a.kv_heads,
-        head_dim=a.head_dim,
-        max_positions=max(8192, a.tokens + 64),
-    )
-
-
 # One request timed to its first token: seconds, tokens vLLM found cached, the first
 # token, and the top-5 logprobs of that position.
 _FirstToken = tuple[float, int, int, dict[int, float]]
@@ -143,6 +125,49 @@ def _dlogprob(a: dict[int, float], b: dict[int, float]) -> float:
     return max((abs(a[k] - b[k]) for k in common), default=float("inf"))
 
 
+@dataclass
+class _Pairs:
+    """Hit runs against their baseline runs (back to back), and whether the outputs agree."""
+
+    hit_s: list[float] = field(default_factory=list)
+    base_s: list[float] = field(default_factory=list)
+    cached: list[int] = field(default_factory=list)
+    same: int = 0
+    max_dlogprob: float = 0.0
+
+    def add(self, hit: _FirstToken, base: _FirstToken) -> float:
+        """Record one pair; returns its largest top-5 logprob difference."""
+        self.hit_s.append(hit[0])
+        self.base_s.append(base[0])
+        self.cached.append(hit[1])
+        self.same += hit[2] == base[2]
+        dlp = _dlogprob(base[3], hit[3])
+        self.max_dlogprob = max(self.max_dlogprob, dlp)
+        return dlp
+
+    def fields(self, base: str) -> dict[str, Any]:
+        """The row's timing and agreement fields; ``base`` names the baseline's."""
+        med_hit, med_base = statistics.median(self.hit_s), statistics.median(self.base_s)
+        pairs = [h / b for h, b in zip(self.hit_s, self.base_s, strict=True)]
+        n = len(pairs)
+        return {
+            "ttft_s": med_hit,
+            "ttft_min_s": min(self.hit_s),
+            "ttft_max_s": max(self.hit_s),
+            f"{base}_ttft_s": med_base,
+            f"{base}_min_s": min(self.base_s),
+            f"{base}_max_s": max(self.base_s),
+            "ratio": med_hit / med_base,
+            # Per repeat (the two runs of a pair are back to back): robust to machine drift.
+            "pair_ratio_median": statistics.median(pairs),
+            "pair_ratio_min": min(pairs),
+            "pair_ratio_max": max(pairs),
+            "hit_cached_tokens": statistics.median(self.cached),
+            "identical_first_tokens": f"{self.same}/{n}",
+            "max_abs_dlogprob_top5": self.max_dlogprob,
+        }
+
+
 def main(argv: list[str]) -> int:
     if "--restart" in argv:  # two engine processes: see kvtier.bench.vllm_restart
         from kvtier.bench.vllm_restart import main as restart_main
@@ -158,7 +183,7 @@ def main(argv: list[str]) -> int:
     if a.disagg:
         return run_disagg(a)
     _env()
-    geo = _geometry(a)
+    geo = bench_geometry(a)
     model = write_tiny_llama(a.model_dir or tempfile.mkdtemp(prefix="kvtier-bench-llama-"), geo)
 
     from vllm import LLM, SamplingParams
@@ -195,31 +220,22 @@ def main(argv: list[str]) -> int:
     def run(tokens: list[int], salt: str) -> _FirstToken:
         return _first_token(llm, TokensPrompt(prompt_token_ids=tokens, cache_salt=salt), params)
 
-    miss_s: list[float] = []
-    hit_s: list[float] = []
-    same_tokens = 0
-    max_dlogprob = 0.0
+    runs = _Pairs()
     misses_clean = True
-    cached: list[int] = []
     for i in range(a.warmup + a.repeat):
         tokens = [rng.randrange(3, geo.vocab) for _ in range(a.tokens)]
         salt = f"bench-{i}-{rng.random()}"
-        t_miss, c_miss, tok_miss, lp_miss = run(tokens, salt)
+        miss = run(tokens, salt)
         if a.gap_s > 0:
             time.sleep(a.gap_s)
-        t_hit, c_hit, tok_hit, lp_hit = run(tokens, salt)
+        hit = run(tokens, salt)
         if i < a.warmup:
             continue
-        miss_s.append(t_miss)
-        hit_s.append(t_hit)
-        cached.append(c_hit)
-        misses_clean &= c_miss == 0
-        same_tokens += tok_miss == tok_hit
-        dlp = _dlogprob(lp_miss, lp_hit)
-        max_dlogprob = max(max_dlogprob, dlp)
+        misses_clean &= miss[1] == 0
+        dlp = runs.add(hit, miss)
         print(
-            f"repeat {i - a.warmup}: recompute {t_miss:.3f}s  hit {t_hit:.3f}s  cached {c_hit}  "
-            f"token {tok_miss}/{tok_hit}  max|dlogprob| {dlp:.4f}"
+            f"repeat {i - a.warmup}: recompute {miss[0]:.3f}s  hit {hit[0]:.3f}s  cached {hit[1]}  "
+            f"token {miss[2]}/{hit[2]}  max|dlogprob| {dlp:.4f}"
         )
 
     totals: dict[str, float] = {}
@@ -227,38 +243,22 @@ def main(argv: list[str]) -> int:
         connector: Any = get_kv_transfer_group()
         totals = connector.worker.totals()
     kv_bytes_per_token = geo.kv_bytes_per_token(a.dtype)
-    identical = same_tokens == a.repeat and misses_clean
-    med_hit, med_miss = statistics.median(hit_s), statistics.median(miss_s)
-    pairs = [h / m for h, m in zip(hit_s, miss_s, strict=True)]
     row: dict[str, Any] = {
         "scenario": f"same prompt twice, fresh salt per repeat; hit from {a.source}",
         "prompt_tokens": a.tokens,
         "tier": "daemon"
         if kvtier and a.daemon
         else {"kvtier": "host", "prefix-cache": "vllm-prefix-cache"}.get(a.source, "disk"),
-        "ttft_s": med_hit,
-        "ttft_min_s": min(hit_s),
-        "ttft_max_s": max(hit_s),
-        "recompute_ttft_s": med_miss,
-        "recompute_min_s": min(miss_s),
-        "recompute_max_s": max(miss_s),
-        "ratio": med_hit / med_miss,
-        # Per repeat (the two runs of a pair are back to back): robust to machine drift.
-        "pair_ratio_median": statistics.median(pairs),
-        "pair_ratio_min": min(pairs),
-        "pair_ratio_max": max(pairs),
-        "hit_cached_tokens": statistics.median(cached),
-        "outputs_identical": identical,
-        "identical_first_tokens": f"{same_tokens}/{a.repeat}",
-        "max_abs_dlogprob_top5": max_dlogprob,
+        **runs.fields("recompute"),
+        "outputs_identical": runs.same == a.repeat and misses_clean,
         "dtype": a.dtype,
         "chunk_tokens": a.chunk_tokens if a.source == "kvtier" else None,
         "gap_s": a.gap_s,
     }
     print(
-        f"{a.tokens}-token prompt: hit {med_hit:.3f}s vs recompute {med_miss:.3f}s -> "
-        f"ratio {row['ratio']:.3f} (median of {a.repeat}); first tokens identical "
-        f"{same_tokens}/{a.repeat}, max |dlogprob| {max_dlogprob:.4f}"
+        f"{a.tokens}-token prompt: hit {row['ttft_s']:.3f}s vs recompute "
+        f"{row['recompute_ttft_s']:.3f}s -> ratio {row['ratio']:.3f} (median of {a.repeat}); "
+        f"first tokens identical {runs.same}/{a.repeat}, max |dlogprob| {runs.max_dlogprob:.4f}"
     )
     write_json(
         a.json,
@@ -309,50 +309,11 @@ def producer_child(argv: list[str]) -> int:
     return 0
 
 
-class Producer:
-    """The prefill engine's child process and its line protocol."""
-
-    def __init__(self, a: argparse.Namespace, model: Path, url: str, log: Path) -> None:
-        spec = {**vars(a), "model": str(model), "url": url}
-        self.log = log.open("w")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvtier.bench.vllm_e2e",
-                "--producer-child",
-                json.dumps(spec),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-        )
-        self._read()  # ready
-
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(MARK):
-                out: dict[str, Any] = json.loads(line[len(MARK) :])
-                return out
-        raise RuntimeError(f"the prefill engine exited ({self.proc.wait()}); see {self.log.name}")
-
-    def prefill(self, tokens: list[int]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(tokens) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
+def _start_producer(a: argparse.Namespace, model: Path, url: str, log: Path) -> LineChild:
+    """The prefill engine's child process (:func:`producer_child`): tokens in, a result out."""
+    spec = {**vars(a), "model": str(model), "url": url}
+    cmd = [sys.executable, "-m", "kvtier.bench.vllm_e2e", "--producer-child", json.dumps(spec)]
+    return LineChild(cmd, log, MARK, "the prefill engine")
 
 
 def run_disagg(a: argparse.Namespace) -> int:
@@ -360,17 +321,17 @@ def run_disagg(a: argparse.Namespace) -> int:
     import httpx
 
     _env()
-    geo = _geometry(a)
+    geo = bench_geometry(a)
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-disagg-"))
     model = write_tiny_llama(a.model_dir or tmp / "model", geo)
     kv_bytes_per_token = geo.kv_bytes_per_token(a.dtype)
     from kvtier.bench.daemon import start_kvtier
 
     url, daemon = start_kvtier(tmp, "2GiB", max_value_bytes=kv_bytes_per_token * a.chunk_tokens)
-    producer: Producer | None = None
+    producer: LineChild | None = None
     finished = False
     try:
-        producer = Producer(a, model, url, tmp / "producer.log")
+        producer = _start_producer(a, model, url, tmp / "producer.log")
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -393,38 +354,29 @@ def run_disagg(a: argparse.Namespace) -> int:
             return st
 
         rng = random.Random(0)
-        hit_s: list[float] = []
-        cold_s: list[float] = []
+        runs = _Pairs()
         prefill_s: list[float] = []
-        cached: list[int] = []
-        same = 0
-        max_dlp = 0.0
         producer_gets = 0
         for i in range(a.warmup + a.repeat):
             tokens = [rng.randrange(3, geo.vocab) for _ in range(a.tokens)]
             before = counters()
-            pre = producer.prefill(tokens)
+            pre = producer.ask(tokens)
             mid = counters()  # the decode engine is idle until here: gets are the producer's
             if i % 2 == 0:
-                t_hit, c_hit, tok_hit, lp_hit = decode(tokens, None, pre["params"])
-                t_cold, _, tok_cold, lp_cold = decode(tokens, f"cold-{i}-{rng.random()}", None)
+                hit = decode(tokens, None, pre["params"])
+                cold = decode(tokens, f"cold-{i}-{rng.random()}", None)
             else:
-                t_cold, _, tok_cold, lp_cold = decode(tokens, f"cold-{i}-{rng.random()}", None)
-                t_hit, c_hit, tok_hit, lp_hit = decode(tokens, None, pre["params"])
+                cold = decode(tokens, f"cold-{i}-{rng.random()}", None)
+                hit = decode(tokens, None, pre["params"])
             if i < a.warmup:
                 continue
             producer_gets += mid["gets"] - before["gets"]
-            hit_s.append(t_hit)
-            cold_s.append(t_cold)
             prefill_s.append(float(pre["s"]))
-            cached.append(c_hit)
-            same += tok_hit == tok_cold
-            dlp = _dlogprob(lp_hit, lp_cold)
-            max_dlp = max(max_dlp, dlp)
+            dlp = runs.add(hit, cold)
             print(
                 f"repeat {i - a.warmup}: prefill engine {pre['s']:.3f}s  decode engine: cold "
-                f"{t_cold:.3f}s, after handoff {t_hit:.3f}s (cached {c_hit})  token "
-                f"{tok_cold}/{tok_hit}  max|dlogprob| {dlp:.4f}"
+                f"{cold[0]:.3f}s, after handoff {hit[0]:.3f}s (cached {hit[1]})  token "
+                f"{cold[2]}/{hit[2]}  max|dlogprob| {dlp:.4f}"
             )
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -439,28 +391,14 @@ def run_disagg(a: argparse.Namespace) -> int:
         if finished:  # the model, the daemon's data; the logs stay when something failed
             shutil.rmtree(tmp, ignore_errors=True)
 
-    pairs = [h / c for h, c in zip(hit_s, cold_s, strict=True)]
-    med_hit, med_cold = statistics.median(hit_s), statistics.median(cold_s)
     row: dict[str, Any] = {
         "scenario": "disaggregated: prefill engine (kv_producer) -> daemon -> decode engine "
         "(kv_consumer); decode TTFT after the handoff vs the same engine cold",
         "prompt_tokens": a.tokens,
         "tier": "daemon",
-        "ttft_s": med_hit,
-        "ttft_min_s": min(hit_s),
-        "ttft_max_s": max(hit_s),
-        "cold_ttft_s": med_cold,
-        "cold_min_s": min(cold_s),
-        "cold_max_s": max(cold_s),
+        **runs.fields("cold"),
         "prefill_engine_s": statistics.median(prefill_s),
-        "ratio": med_hit / med_cold,
-        "pair_ratio_median": statistics.median(pairs),
-        "pair_ratio_min": min(pairs),
-        "pair_ratio_max": max(pairs),
-        "hit_cached_tokens": statistics.median(cached),
-        "outputs_identical": same == a.repeat,
-        "identical_first_tokens": f"{same}/{a.repeat}",
-        "max_abs_dlogprob_top5": max_dlp,
+        "outputs_identical": runs.same == a.repeat,
         "producer_daemon_gets": producer_gets,
         # The decode engine's own counters (the producer's saves land while it runs).
         "consumer_save_chunks": consumer_totals.get("save_chunks", 0),
@@ -469,9 +407,9 @@ def run_disagg(a: argparse.Namespace) -> int:
         "chunk_tokens": a.chunk_tokens,
     }
     print(
-        f"{a.tokens}-token prompt: decode engine after handoff {med_hit:.3f}s vs cold "
-        f"{med_cold:.3f}s -> ratio {row['ratio']:.3f} (pairs {row['pair_ratio_median']:.3f}, "
-        f"median of {a.repeat}); first tokens identical {same}/{a.repeat}; daemon gets by the "
+        f"{a.tokens}-token prompt: decode engine after handoff {row['ttft_s']:.3f}s vs cold "
+        f"{row['cold_ttft_s']:.3f}s -> ratio {row['ratio']:.3f} (pairs {row['pair_ratio_median']:.3f}, "
+        f"median of {a.repeat}); first tokens identical {runs.same}/{a.repeat}; daemon gets by the "
         f"prefill engine {producer_gets}; chunks saved by the decode engine "
         f"{row['consumer_save_chunks']}"
     )

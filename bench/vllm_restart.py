@@ -35,8 +35,8 @@ from typing import Any
 
 from kvtier.bench.common import envelope, write_json
 from kvtier.bench.tiny_llama import (
-    TinyLlama,
     add_engine_options,
+    bench_geometry,
     engine_args,
     kvtier_transfer,
     write_tiny_llama,
@@ -58,18 +58,6 @@ def _args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _geometry(a: argparse.Namespace) -> TinyLlama:
-    return TinyLlama(
-        layers=a.layers,
-        hidden=512,
-        intermediate=1536,
-        heads=8,
-        kv_heads=4,
-        head_dim=64,
-        max_positions=max(8192, a.tokens + 64),
-    )
-
-
 def _prompts(a: argparse.Namespace, vocab: int) -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randrange(3, vocab) for _ in range(a.tokens)] for _ in range(a.warmup + a.repeat)]
@@ -81,7 +69,7 @@ def _phase(a: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     work = Path(a.workdir)
-    geo = _geometry(a)
+    geo = bench_geometry(a)
     model = write_tiny_llama(work / "model", geo)
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams

@@ -289,6 +289,25 @@ def _index(part: str, node: list[Any], source: str) -> int:
     return idx
 
 
+def tier_tables(raw: object, where: str) -> list[tuple[str, dict[str, Any]]]:
+    """The ``[[tiers]]`` tables of a TOML document, each with its place (``where.i``) for errors.
+
+    Shared by the store's configuration and the hardware profiles (``policies.profiles``).
+
+    Raises:
+        ConfigError: not a non-empty list, or an entry that is not a table.
+    """
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(where, raw, "a non-empty list of [[tiers]] tables")
+    tables: list[tuple[str, dict[str, Any]]] = []
+    for i, t in enumerate(raw):
+        at = f"{where}.{i}"
+        if not isinstance(t, Mapping):
+            raise ConfigError(at, t, "a table")
+        tables.append((at, dict(t)))
+    return tables
+
+
 def parse_config(raw: Mapping[str, Any]) -> KVTierConfig:
     """Validate a raw (merged) config tree into a :class:`KVTierConfig`."""
     from kvtier.tiers.registry import tier_options_class
@@ -296,14 +315,8 @@ def parse_config(raw: Mapping[str, Any]) -> KVTierConfig:
     raw = dict(raw)
     tiers_raw = raw.pop("tiers", [])
     cfg = build_dataclass(KVTierConfig, raw, "")
-    if not isinstance(tiers_raw, list) or not tiers_raw:
-        raise ConfigError("tiers", tiers_raw, "a non-empty list of [[tiers]] tables")
     tiers: list[TierSection] = []
-    for i, t in enumerate(tiers_raw):
-        where = f"tiers.{i}"
-        if not isinstance(t, Mapping):
-            raise ConfigError(where, t, "a table")
-        t = dict(t)
+    for where, t in tier_tables(tiers_raw, "tiers"):
         kind = t.pop("kind", None)
         if not isinstance(kind, str):
             raise ConfigError(f"{where}.kind", kind, "a tier kind such as 'host'")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from kvtier.config import tier_tables
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import TierProfile
 from kvtier.units import KiB
@@ -273,15 +274,9 @@ def _hardware_from_dict(raw: dict[str, Any], where: str) -> Hardware:
         base_gpu[key] = _number(value, f"{where}: gpu.{key}") if key != "name" else str(value)
     gpu = GPUSpec(**base_gpu)
     tiers_raw = raw.get("tiers")
-    if not isinstance(tiers_raw, list) or not tiers_raw:
-        raise ConfigError(f"{where}: tiers", tiers_raw, "a non-empty list of [[tiers]] tables")
     tiers: list[TierSpec] = []
     names = {f.name for f in fields(TierSpec)}
-    for i, t in enumerate(tiers_raw):
-        at = f"{where}: tiers.{i}"
-        if not isinstance(t, dict):
-            raise ConfigError(at, t, "a table")
-        t = dict(t)
+    for at, t in tier_tables(tiers_raw, f"{where}: tiers"):
         preset_name = t.pop("preset", None)
         if preset_name is not None:
             if preset_name not in TIER_PRESETS:

@@ -22,7 +22,7 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.factory import Built
 from kvtier.keys import ChunkKey
-from kvtier.store.store import TieredStore
+from kvtier.store.store import Reservation, TieredStore
 from kvtier.store.types import LookupResult, PutResult
 
 from . import wire
@@ -132,6 +132,21 @@ class Daemon:
         res: PutResult = await asyncio.wrap_future(self.store.put([self.key(t, hex_key)], value))
         self.tenants.add(t.name, put_chunks=res.stored, put_bytes=len(value) * res.stored)
         return res
+
+    def reserve(self, t: Tenant, hex_key: str, nbytes: int) -> Reservation | None:
+        """A slot of the store to receive one value of tenant ``t`` into, or None.
+
+        None when the store cannot give one (see
+        :meth:`~kvtier.store.store.TieredStore.reserve`): use :meth:`put_value`. End it
+        with :meth:`commit` or ``abort()``.
+        """
+        return self.store.reserve(self.key(t, hex_key), nbytes)
+
+    def commit(self, t: Tenant, res: Reservation) -> PutResult:
+        """Store a value received into ``res`` (the other half of :meth:`reserve`)."""
+        out = res.commit()
+        self.tenants.add(t.name, put_chunks=out.stored, put_bytes=res.view.nbytes * out.stored)
+        return out
 
     async def get_value(self, t: Tenant, hex_key: str) -> memoryview | None:
         """One value for tenant ``t``, or None (the shared logic of both GET paths)."""

@@ -21,9 +21,12 @@ from typing import Any
 import numpy as np
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvtier.store.types import PutResult
+
 from .daemon import Daemon
 from .errors import reply_for, send_error
-from .limits import TENANT
+from .headlimit import BODY_INTO, BodyInto
+from .limits import BODY_BYTES, TENANT
 
 _CHUNK_PATH = re.compile(r"/v1/chunks/([0-9a-fA-F]{32})")
 OCTET = b"application/octet-stream"
@@ -55,7 +58,9 @@ class FastPath:
                 length = _content_length(dict(scope["headers"]))
                 if length is not None and 0 < length <= self.d.limits.max_value_bytes:
                     scope["route"] = _ROUTE
-                    await self._answer(self._put(tenant, m.group(1), length, receive, send), send)
+                    await self._answer(
+                        self._put(scope, tenant, m.group(1), length, receive, send), send
+                    )
                     return
         await self.app(scope, receive, send)
 
@@ -82,36 +87,68 @@ class FastPath:
             return
         await _respond(send, 200, OCTET, value)
 
-    async def _put(self, tenant: Any, key: str, length: int, receive: Receive, send: Send) -> None:
-        # Pieces land straight in one buffer of the declared length (no list, no join).
-        buf = np.empty(length, dtype=np.uint8)
-        view = buf.data
-        pos = 0
-        more = True
-        while more:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return  # the client went away
-            piece = msg.get("body", b"")
-            if pos + len(piece) > length:
-                await _error(send, 400, "bad_length", "body longer than its Content-Length")
-                return
-            view[pos : pos + len(piece)] = piece
-            pos += len(piece)
-            more = msg.get("more_body", False)
-        if pos != length:
-            await _error(send, 400, "bad_length", "body shorter than its Content-Length")
+    async def _put(
+        self, scope: Scope, tenant: Any, key: str, length: int, receive: Receive, send: Send
+    ) -> None:
+        scope_into: BodyInto | None = scope.get(BODY_INTO)
+        res = self.d.reserve(tenant, key, length)
+        if res is None:
+            # The store cannot give a slot to fill in place (present key, full top tier,
+            # a tier behind I/O): receive into one buffer and let the store copy it.
+            buf = np.empty(length, dtype=np.uint8)
+            got = await _receive_into(buf.data, receive)
+            if got == length:
+                scope[BODY_BYTES] = got
+                await _put_answer(send, await self.d.put_value(tenant, key, buf.data))
+            else:
+                await _bad_length(send, got)
             return
-        res = await self.d.put_value(tenant, key, view)
-        body = json.dumps(
-            {
-                "stored": res.stored,
-                "present": res.present,
-                "rejected": res.rejected,
-                "failed": res.failed,
-            }
-        )
-        await _respond(send, 200, b"application/json", body.encode())
+        try:
+            # One copy in the daemon: from the parser's pieces into the tier's slot.
+            got = await (scope_into(res.view) if scope_into else _receive_into(res.view, receive))
+            if got != length:
+                res.abort()
+                await _bad_length(send, got)
+                return
+            scope[BODY_BYTES] = got
+            await _put_answer(send, self.d.commit(tenant, res))
+        finally:
+            res.abort()  # a no-op once committed
+
+
+async def _receive_into(view: memoryview, receive: Receive) -> int:
+    """Receive a body into ``view``: its length when it filled ``view`` exactly, else -1
+    (more bytes than the view holds, fewer, or the client went away)."""
+    pos = 0
+    more = True
+    while more:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return -1
+        piece = msg.get("body", b"")
+        if pos + len(piece) > view.nbytes:
+            return -1
+        view[pos : pos + len(piece)] = piece
+        pos += len(piece)
+        more = msg.get("more_body", False)
+    return pos if pos == view.nbytes else -1
+
+
+async def _bad_length(send: Send, got: int) -> None:
+    # -1 also covers a client that went away: the answer then goes nowhere, harmlessly.
+    await _error(send, 400, "bad_length", "body length differs from its Content-Length")
+
+
+async def _put_answer(send: Send, res: PutResult) -> None:
+    body = json.dumps(
+        {
+            "stored": res.stored,
+            "present": res.present,
+            "rejected": res.rejected,
+            "failed": res.failed,
+        }
+    )
+    await _respond(send, 200, b"application/json", body.encode())
 
 
 def _content_length(headers: dict[bytes, bytes]) -> int | None:

@@ -18,6 +18,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvtier.store.types import StoreStats
 
+from .limits import BODY_BYTES
+
 # Request latency buckets, in seconds: 100 µs to 10 s.
 BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 10.0)
 
@@ -232,6 +234,7 @@ class MetricsMiddleware:
             raise
         finally:
             self.metrics.in_flight -= 1
+            nin += scope.get(BODY_BYTES, 0)  # bodies a route received straight into place
             route = scope.get("route")
             template = getattr(route, "path", None) or "other"
             method = scope.get("method", "?")

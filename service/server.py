@@ -90,6 +90,9 @@ def serve(cfg: KVTierConfig) -> None:
             lifespan="on",
             timeout_graceful_shutdown=int(s.shutdown_timeout_s) or None,
             server_header=False,
+            # The daemon never reads X-Forwarded-*: without this, uvicorn wraps every
+            # request in a middleware that parses them (issue 15: per-request CPU).
+            proxy_headers=False,
         )
         server = uvicorn.Server(config)
         stopped_by: list[int] = []

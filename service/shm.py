@@ -59,8 +59,6 @@ log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 256
 """Connections served at once; one more is refused (one thread each)."""
-MAX_REGIONS = 16
-"""Mappings one connection may hold at once."""
 AUTO = "auto"
 _PEERCRED = struct.Struct("3i")
 
@@ -419,8 +417,8 @@ class SameHostServer:
                 f"a region of {length} B; the daemon maps 1..{self.max_region_bytes} B "
                 "(service.socket_max_region_bytes)",
             )
-        if region not in regions and len(regions) >= MAX_REGIONS:
-            raise Refused(w.Status.BAD_REQUEST, f"{MAX_REGIONS} regions already mapped")
+        if region not in regions and len(regions) >= w.MAX_REGIONS:
+            raise Refused(w.Status.BAD_REQUEST, f"{w.MAX_REGIONS} regions already mapped")
         fd = fds[0]
         try:
             st = os.fstat(fd)
@@ -480,7 +478,7 @@ class SameHostServer:
         if len(set(ikeys)) != n:
             raise Refused(w.Status.BAD_REQUEST, "a request names the same key twice")
         try:
-            res = self.d.store.put(ikeys, view).result()
+            res = self.d.store.put(ikeys, view, inline=True).result()
         except InputError as exc:
             raise Refused(w.Status.BAD_REQUEST, str(exc)) from None
         self.d.tenants.add(tenant.name, put_chunks=res.stored, put_bytes=size * res.stored)
@@ -489,20 +487,26 @@ class SameHostServer:
         )
 
     def _get(self, tenant: Tenant, ikeys: list[ChunkKey], view: memoryview) -> bytes:
-        hit = self.d.store.lookup(ikeys)
-        n, room = 0, view.nbytes
-        for size in hit.value_bytes:  # whole values only; the rest of the run is a miss
-            if size > room:
-                break
-            room -= size
-            n += 1
         chunks, nbytes, lengths = 0, 0, tuple[int, ...]()
-        if n:
-            try:
-                res = self.d.store.get(ikeys[:n], view).result()
-                chunks, nbytes, lengths = res.chunks, res.nbytes, res.value_bytes
-            except InputError:
-                pass  # re-stored with another length since the lookup: misses, as over HTTP
+        try:
+            # The common case, the whole hit fits: one pass over the index.
+            res = self.d.store.get(ikeys, view, inline=True).result()
+            chunks, nbytes, lengths = res.chunks, res.nbytes, res.value_bytes
+        except InputError:
+            # It does not: the leading values that fit whole, as the HTTP batch get.
+            hit = self.d.store.lookup(ikeys)
+            n, room = 0, view.nbytes
+            for size in hit.value_bytes:
+                if size > room:
+                    break
+                room -= size
+                n += 1
+            if n:
+                try:
+                    res = self.d.store.get(ikeys[:n], view, inline=True).result()
+                    chunks, nbytes, lengths = res.chunks, res.nbytes, res.value_bytes
+                except InputError:
+                    pass  # re-stored with another length since the lookup: misses
         self.d.tenants.add(
             tenant.name,
             get_chunks=chunks,

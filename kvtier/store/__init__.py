@@ -1,7 +1,7 @@
 """The tiered store and its policy contracts."""
 
 from kvtier.store.policy import EvictionPolicy, LRUEviction, PlacementPolicy, WriteThrough
-from kvtier.store.store import TieredStore
+from kvtier.store.store import Reservation, TieredStore
 from kvtier.store.types import (
     EventKind,
     GetResult,
@@ -19,6 +19,7 @@ __all__ = [
     "LookupResult",
     "PlacementPolicy",
     "PutResult",
+    "Reservation",
     "StoreEvent",
     "StoreStats",
     "TieredStore",

@@ -240,6 +240,20 @@ class StoreIndex:
             self.counts.put_present += len(keys) - len(fresh)
         return fresh
 
+    def claim_one(self, key: ChunkKey) -> bool:
+        """Claim one key for a put in place (the store's ``reserve``); False when it is
+        indexed or being put. Counts nothing: the put is counted when it ends."""
+        with self.lock:
+            if key in self._entries or key in self._pending:
+                return False
+            self._pending.add(key)
+            return True
+
+    def unclaim(self, key: ChunkKey) -> None:
+        """Give back a :meth:`claim_one` that led to no put."""
+        with self.lock:
+            self._pending.discard(key)
+
     def finish_put(self, fresh: Sequence[tuple[int, ChunkKey]], stored: int, failed: int) -> None:
         with self.lock:
             self._pending.difference_update(k for _, k in fresh)

@@ -64,7 +64,9 @@ def _as_bytes_view(buf: Buffer, *, writable: bool) -> memoryview:
     if isinstance(buf, np.ndarray):
         if not buf.flags.c_contiguous:
             raise InputError("buffer must be C-contiguous")
-        view = memoryview(buf.reshape(-1).view(np.uint8).data)
+        view = buf.data
+        if view.format != "B" or view.ndim != 1:  # a flat byte array (the usual case) is one call
+            view = memoryview(buf.reshape(-1).view(np.uint8).data)
     else:
         view = memoryview(buf)
     view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
@@ -123,7 +125,12 @@ class TieredStore:
     # -- public API ----------------------------------------------------------------------
 
     def put(
-        self, keys: Sequence[ChunkKey], data: Buffer, *, prefix: Sequence[ChunkKey] = ()
+        self,
+        keys: Sequence[ChunkKey],
+        data: Buffer,
+        *,
+        prefix: Sequence[ChunkKey] = (),
+        inline: bool = False,
     ) -> Future[PutResult]:
         """Store chunks whose values lie packed in ``data`` (equal length each).
 
@@ -136,6 +143,10 @@ class TieredStore:
         :attr:`slot_bytes`. The caller must keep ``data`` alive and unchanged until the
         future completes. Chunks already present are skipped. Never raises for tier
         failures: they show in :class:`PutResult` and the stats.
+
+        ``inline`` moves the bytes on the caller's thread and returns a done future: for
+        a caller that is itself a worker thread and would only wait (the daemon's
+        same-host connections), it saves a hand-off to an I/O thread and back.
 
         Raises:
             InputError: a malformed key (not 16 bytes), or sizes that can never work.
@@ -154,7 +165,60 @@ class TieredStore:
         value_bytes = view.nbytes // len(keys)
         if not 0 < value_bytes <= self.slot_bytes:
             raise InputError(f"chunk of {value_bytes} B; the store takes 1..{self.slot_bytes} B")
-        return self._submit(self._mover.put, keys, view, value_bytes, prefix)
+        return self._submit(self._mover.put, keys, view, value_bytes, prefix, inline=inline)
+
+    def reserve(self, key: ChunkKey, value_bytes: int) -> Reservation | None:
+        """A free slot for one new chunk, which the caller fills in place, then commits.
+
+        For a caller that receives a value piece by piece (the daemon reads a request
+        body straight into the tier: one copy, and no hop to an I/O thread). Runs on the
+        caller's thread and never does I/O. Returns None, and changes nothing, when the
+        chunk cannot be written this way; :meth:`put` then does it: the key is present
+        or being put, the tier the placement admits it to offers no direct view
+        (:meth:`~kvtier.tiers.base.Tier.slot_view`: a medium behind I/O), or that tier
+        has no free slot (making room may move chunks, which is I/O).
+
+        Until :meth:`Reservation.commit` the chunk is not indexed: lookups miss it and a
+        concurrent put of the same key counts it present. The caller must end every
+        reservation with ``commit`` or ``abort``: :meth:`close` waits for them.
+
+        Raises:
+            InputError: a malformed key, or a size outside ``1..slot_bytes``.
+            ClosedError: the store is closed.
+        """
+        self._check_open()
+        (key,) = check_keys([key])
+        if not 0 < value_bytes <= self.slot_bytes:
+            raise InputError(f"chunk of {value_bytes} B; the store takes 1..{self.slot_bytes} B")
+        if not self._index.claim_one(key):
+            return None
+        with self._idle:  # counted like a queued operation: drain() and close() wait for it
+            self._inflight += 1
+        try:
+            for t, tier in enumerate(self.tiers):
+                # slot_view(0, ...) only asks whether the tier gives views at all.
+                if tier.free_slots < 1 or tier.slot_view(0, value_bytes) is None:
+                    break  # put() makes room, or writes through the tier
+                with self._index.lock:
+                    admitted = self.placement.admit(t, [key], value_bytes)
+                if not admitted:
+                    continue
+                extents = tier.allocate(1)
+                if extents is None:
+                    break
+                offset = extents[0].offset
+                view = tier.slot_view(offset, value_bytes)
+                if view is None:
+                    tier.release(offset, 1)
+                    break
+                return Reservation(self, key, t, offset, view)
+        except BaseException:
+            self._index.unclaim(key)
+            self._done(None)
+            raise
+        self._index.unclaim(key)
+        self._done(None)
+        return None
 
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
         """How many leading ``keys`` are present, and in which tiers. Thread-safe.
@@ -182,7 +246,9 @@ class TieredStore:
             tuple(sl.value_bytes for sl in slots),
         )
 
-    def get(self, keys: Sequence[ChunkKey], dst: Buffer) -> Future[GetResult]:
+    def get(
+        self, keys: Sequence[ChunkKey], dst: Buffer, *, inline: bool = False
+    ) -> Future[GetResult]:
         """Copy the leading present chunks of ``keys`` into ``dst``, packed.
 
         ``dst`` must hold at least the sum of their value lengths (``len(keys) *
@@ -190,7 +256,7 @@ class TieredStore:
         completes. A chunk that fails to read ends the run: the result counts only the
         chunks before it, so the caller never uses bytes that were not verified. Chunks
         missing from the index are looked for in shared tiers on the I/O thread, as in
-        :meth:`lookup`.
+        :meth:`lookup`. ``inline``: as for :meth:`put`.
         """
         self._check_open()
         keys = check_keys(keys)
@@ -201,7 +267,7 @@ class TieredStore:
             self._index.unread(slots)
             raise InputError(f"destination of {view.nbytes} B; the hit needs {need} B")
         tail = list(keys[len(slots) :]) if self._mover.shared else []
-        return self._submit(self._mover.get, slots, view, tail)
+        return self._submit(self._mover.get, slots, view, tail, inline=inline)
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         """Remove chunks; returns how many were present. Reads in flight finish first.
@@ -361,12 +427,13 @@ class TieredStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
-        """Run ``fn`` on an I/O thread, counted so :meth:`drain` can wait for it."""
+    def _submit(self, fn: Callable[..., T], *args: object, inline: bool = False) -> Future[T]:
+        """Run ``fn`` on an I/O thread (or, ``inline``, on this one), counted so
+        :meth:`drain` can wait for it."""
         with self._idle:
             self._inflight += 1
         try:
-            fut = self._pool.submit(fn, *args)
+            fut = (_INLINE if inline else self._pool).submit(fn, *args)
         except RuntimeError as exc:  # the pool was shut down by close()
             self._done(None)
             raise ClosedError("the store is closed") from exc
@@ -389,6 +456,54 @@ class TieredStore:
             raise ClosedError("the store is closed")
 
 
+class Reservation:
+    """One slot reserved by :meth:`TieredStore.reserve`, filled in place by its owner.
+
+    Fill all of :attr:`view`, then call :meth:`commit`; or :meth:`abort`. Exactly one of
+    the two, once (later calls are no-ops). One owner; the view may be filled from any
+    thread. The view points into the tier's memory: never use it after commit or abort.
+    """
+
+    def __init__(self, store: TieredStore, key: ChunkKey, tier: int, offset: int, view: memoryview):
+        self._store = store
+        self.key = key
+        self.tier = tier
+        self._offset = offset
+        self.view = view
+        self._open = True
+
+    def commit(self) -> PutResult:
+        """Index the chunk (its value is what :attr:`view` holds now). Never blocks on I/O."""
+        if not self._open:
+            return PutResult(0, 0, 0, 0)
+        self._open = False
+        s = self._store
+        nbytes = self.view.nbytes
+        tier = s.tiers[self.tier]
+        try:
+            tier.note_written(nbytes)
+            with s._index.lock:
+                s._index.counts.puts += 1
+            s._index.add_written(self.tier, [(self.key, self._offset)], nbytes)
+            s._index.finish_put([(0, self.key)], 1, 0)
+            s._mover.emit(StoreEvent(EventKind.STORED, tier.name, 1, nbytes))
+        finally:
+            s._done(None)
+        return PutResult(1, 0, 0, 0)
+
+    def abort(self) -> None:
+        """Give the slot back; the chunk is not stored (its key stays absent)."""
+        if not self._open:
+            return
+        self._open = False
+        s = self._store
+        try:
+            s.tiers[self.tier].release(self._offset, 1)
+            s._index.unclaim(self.key)
+        finally:
+            s._done(None)
+
+
 class _InlineExecutor:
     """Runs each submitted call at once on the caller's thread (``io_threads=0``)."""
 
@@ -402,3 +517,6 @@ class _InlineExecutor:
 
     def shutdown(self, wait: bool = True) -> None:
         pass
+
+
+_INLINE = _InlineExecutor()

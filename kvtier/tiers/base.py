@@ -254,6 +254,24 @@ class Tier(ABC):
 
     # -- optional hooks --------------------------------------------------------------------
 
+    def slot_view(self, offset: int, nbytes: int) -> memoryview | None:
+        """A writable view of the first ``nbytes`` of slot ``offset``, or None.
+
+        Lets a caller fill an allocated slot in place, with no staging copy (the store's
+        :meth:`~kvtier.store.store.TieredStore.reserve`: the daemon receives a request
+        body straight into it). Only tiers whose medium is plain memory at memcpy speed
+        offer one; a tier behind I/O, checksums or an emulated profile returns None and
+        is written through :meth:`write`. The caller then reports the bytes with
+        :meth:`note_written`. Default: None.
+        """
+        return None
+
+    def note_written(self, nbytes: int) -> None:
+        """Count ``nbytes`` a caller wrote through :meth:`slot_view` as one write."""
+        with self._stat_lock:
+            self._bytes_written += nbytes
+            self._write_ops += 1
+
     def recover(self) -> Sequence[SlotRun]:
         """Chunks that survived a restart (persistent tiers). Default: none.
 

@@ -127,6 +127,13 @@ class HostTier(Tier):
         return str(self.arena.path)
 
     @override
+    def slot_view(self, offset: int, nbytes: int) -> memoryview | None:
+        if not 0 < nbytes <= self.slot_bytes or not 0 <= offset < self.capacity_slots:
+            return None
+        base = offset * self.slot_bytes
+        return self.arena.array[base : base + nbytes].data
+
+    @override
     def _write(self, run: SlotRun, src: memoryview) -> None:
         copy_in(self.arena.array, self.slot_bytes, run, src, self._copy_threads)
 

@@ -50,6 +50,20 @@ def test_put_lookup_get_round_trip(daemon: Daemon) -> None:
         store.close()
 
 
+def test_loads_land_in_staging_shared_with_the_daemon(daemon: Daemon) -> None:
+    store = RemoteStore(DaemonSettings(daemon.url), CHUNK_BYTES)
+    try:
+        keys, data = _chunks(4, 2)
+        assert store.put(keys, data).result().stored == 4
+        staging = store.staging(data.nbytes)
+        assert staging is not None and staging.nbytes == data.nbytes
+        assert store.staging(CHUNK_BYTES) is not None  # reused, not reallocated
+        got = store.get(keys, staging).result()
+        assert got.chunks == 4 and np.array_equal(staging, data)
+    finally:
+        store.close()
+
+
 def test_scheduler_lookup_uses_the_workers_rank_keys(daemon: Daemon) -> None:
     store = RemoteStore(DaemonSettings(daemon.url), CHUNK_BYTES)
     try:

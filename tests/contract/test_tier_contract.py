@@ -172,3 +172,26 @@ def test_store_demotes_into_tier_intact(make_tier) -> None:
         assert r.chunks == 40
         assert np.array_equal(out, data)
         assert store.stats().demoted_chunks >= 32
+
+
+def test_slot_view_fills_in_place_or_is_absent(make_tier) -> None:
+    # A tier either gives a view that a store can fill and read back through read(),
+    # or none (the store then writes through write()): reserve() follows that.
+    tier = make_tier()
+    store = TieredStore([tier], io_threads=1)
+    data = rand(SLOT - 100, 7)
+    res = store.reserve(key(1), data.nbytes)
+    if tier.slot_view(0, data.nbytes) is None:
+        assert res is None
+        store.close()
+        return
+    assert res is not None and res.view.nbytes == data.nbytes and not res.view.readonly
+    res.view[:] = data.tobytes()
+    assert store.lookup([key(1)]).hits == 0  # not indexed before the commit
+    before = tier.stats().bytes_written
+    assert res.commit().stored == 1
+    assert tier.stats().bytes_written == before + data.nbytes
+    out = np.zeros(SLOT, np.uint8)
+    got = store.get([key(1)], out).result()
+    assert got.nbytes == data.nbytes and np.array_equal(out[: data.nbytes], data)
+    store.close()

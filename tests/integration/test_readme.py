@@ -1,17 +1,24 @@
 """Every code block of README.md runs here, as written (issue 12: the README had drifted).
 
-Blocks run in README order from the repository root, with three changes of environment
+Blocks run in README order from the repository root, with four changes of environment
 and none of text but ports:
 
 * ``HOME`` is a temporary folder, so ``~/...`` outputs and the default data directory
   (``~/.local/share/kvtier``) never touch the user's; ``KVTIER_*`` variables are cleared.
+* ``VLLM_CACHE_ROOT`` stays vLLM's cache of the user running the tests (vLLM's default
+  place under the real home), not one under the temporary ``HOME``: a user's vLLM keeps
+  its cache, and an empty one costs the server an extra vLLM import at start.
 * Ports: the daemon's 8470 (``KVTIER_SERVICE__PORT`` for ``make serve``, the text for
   ``curl``) and vLLM's 8000 become free ports (other engineers and CI jobs run daemons on
   this machine).
 * What runs forever runs in the background: a block with ``make serve`` or vLLM's
   ``api_server`` is started, awaited (``/readyz``, ``/health``), the block after it runs
   against it, then it is stopped as a user would (Ctrl-C for ``make serve``, which must
-  end quietly with status 0).
+  end quietly with status 0). vLLM's server is a module fixture: its start is the
+  expensive part, so it is launched before the first block (its start overlaps the
+  blocks before it; ``_vllm_launches_first``) and awaited at its own step, and
+  ``test_the_readme_server_hits_across_processes`` (the checks of ``vllm serve`` across
+  its processes) uses the same server; it stops after both.
 
 Two blocks are not executed, on purpose: ``make test`` (this suite; its recipe is checked
 with ``make -n``), and the one whose first line says it needs a CUDA host (its
@@ -21,8 +28,10 @@ block runs; no other kind of code block is allowed.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -32,8 +41,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,6 +52,11 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 GPU_MARK = "# GPU host"
+
+
+# The embedded default configuration's chunk (``store.chunk_tokens``), which the README's
+# server runs on: its text says a 600-token prompt hits "two full 256-token chunks".
+DEFAULT_CHUNK_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -123,6 +139,12 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     e["README_DAEMON_PORT"] = str(free_port())
     e["README_VLLM_PORT"] = str(free_port())
     e["KVTIER_SERVICE__PORT"] = e["README_DAEMON_PORT"]  # `make serve` names no port
+    # vLLM's own cache stays where vLLM keeps it for this user (as for a user, whose HOME
+    # has it; vLLM's default is $XDG_CACHE_HOME/vllm or ~/.cache/vllm). In an empty one
+    # the API server first inspects the model class in a subprocess of its own, one more
+    # import of vLLM and torch before it starts.
+    e["VLLM_CACHE_ROOT"] = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm")
     return e
 
 
@@ -171,6 +193,74 @@ def stop(proc: subprocess.Popen[bytes], sig: int) -> int:
         raise
 
 
+@dataclass(frozen=True)
+class VllmServer:
+    block: Block
+    url: str
+    model: str  # the served model's name: its --model path, ``~`` expanded
+    log: Path
+
+
+@dataclass(frozen=True)
+class Launched:
+    block: Block
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+@pytest.fixture(scope="module")
+def readme_vllm_launched(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+                         ) -> Iterator[Launched]:
+    """The README's vLLM block (the tiny model, then its API server) started as written;
+    not awaited (``readme_vllm`` awaits it). Stopped at the module's end (SIGTERM)."""
+    if importlib.util.find_spec("vllm") is None:  # the server imports it, not this process
+        pytest.skip("vLLM is not installed (scripts/setup.sh test installs the CPU build)")
+    (block,) = [b for b in blocks() if b.kind == "vllm"]
+    log = tmp_path_factory.mktemp("readme-vllm") / "vllm.log"
+    proc = start(block.text, env, log)
+    try:
+        yield Launched(block, proc, log)
+    finally:
+        stop(proc, signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def readme_vllm(env: dict[str, str], readme_vllm_launched: Launched) -> VllmServer:
+    """The README's vLLM server, once it answers ``/health``."""
+    launched = readme_vllm_launched
+    url = f"http://127.0.0.1:{env['README_VLLM_PORT']}"
+    wait_http(url + "/health", launched.proc, launched.log, 600)
+    model = re.search(r"--model (\S+)", launched.block.text)
+    assert model, launched.block.text
+    return VllmServer(launched.block, url, model.group(1).replace("~", env["HOME"], 1),
+                      launched.log)
+
+
+def _needs_vllm(item: pytest.Item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "step" in callspec.params:
+        return bool(callspec.params["step"][0].kind == "vllm")
+    return "readme_vllm" in getattr(item, "fixturenames", ())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_launches_first(request: pytest.FixtureRequest) -> None:
+    """Launches the README's vLLM server before this module's first test, when a selected
+    test needs it, as a user might start it in another terminal first.
+
+    Its start takes minutes (three processes import vLLM and torch), and the blocks before
+    it (daemon, demo, calc) take minutes of their own, mostly on one core: they overlap
+    instead of adding up. It cannot make another block pass: it serves only its own port,
+    writes only under the temporary HOME (``~/kvtier-tiny-llama``), and every block still
+    checks its own output and that nothing was written into the repository root.
+    """
+    if importlib.util.find_spec("vllm") is None:
+        return  # the vLLM tests skip (readme_vllm_launched); the others run
+    if any(getattr(i, "module", None) is request.module and _needs_vllm(i)
+           for i in request.session.items):
+        request.getfixturevalue("readme_vllm_launched")
+
+
 def check_outputs(block: Block, res: subprocess.CompletedProcess[str], home: Path) -> None:
     """What the README says each command prints or writes."""
     out = res.stdout
@@ -189,7 +279,7 @@ def check_outputs(block: Block, res: subprocess.CompletedProcess[str], home: Pat
 @pytest.mark.slow
 @pytest.mark.parametrize("step", steps(), ids=lambda s: f"README.md:{s[0].line}")
 def test_readme_block_runs_as_written(step: tuple[Block, ...], env: dict[str, str],
-                                      tmp_path: Path) -> None:
+                                      tmp_path: Path, request: pytest.FixtureRequest) -> None:
     block = step[0]
     home = Path(env["HOME"])
     before = top_level()
@@ -229,14 +319,48 @@ def test_readme_block_runs_as_written(step: tuple[Block, ...], env: dict[str, st
         assert "make: ***" not in text and "Traceback" not in text, text
         assert (home / ".local/share/kvtier/nvme").is_dir()  # the documented data directory
     elif block.kind == "vllm":
-        pytest.importorskip("vllm")
-        log = tmp_path / "vllm.log"
-        proc = start(block.text, env, log)
-        try:
-            wait_http(f"http://127.0.0.1:{env['README_VLLM_PORT']}/health", proc, log, 600)
-            res = sh(step[1].text, env, timeout=300)
-            assert res.returncode == 0, res.stdout + res.stderr + log.read_text()[-3000:]
-            assert res.stdout.strip() == '"cached_tokens":512', res.stdout
-        finally:
-            stop(proc, signal.SIGTERM)
+        # Requested here, not in the signature: only this step starts the server.
+        server: VllmServer = request.getfixturevalue("readme_vllm")
+        assert server.block == block
+        res = sh(step[1].text, env, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr + server.log.read_text()[-3000:]
+        assert res.stdout.strip() == '"cached_tokens":512', res.stdout
     assert top_level() == before, "a README command wrote into the repository root"
+
+
+def _complete(url: str, model: str, tokens: list[int]) -> dict[str, Any]:
+    body = {
+        "model": model, "prompt": tokens, "max_tokens": 8, "temperature": 0,
+        "ignore_eos": True, "detokenize": False, "return_token_ids": True,
+    }  # fmt: skip
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        out: dict[str, Any] = json.load(r)
+    return out
+
+
+def _cached(out: dict[str, Any]) -> int:
+    return int((out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_readme_server_hits_across_processes(readme_vllm: VllmServer) -> None:
+    """``vllm serve`` (the README's server: vLLM's default multi-process engine, the
+    connector's scheduler side in EngineCore and its worker side in the worker process)
+    hits on a repeat, with token ids identical to the computed run.
+
+    This was tests/connectors/test_vllm_serve.py's server test; it runs on the README's
+    server so that the suite starts one API server for both. Isolation: its prompt is
+    random tokens of its own seed, sharing no leading chunk with the README's
+    ``seq 1 600`` prompt, so whichever of the two runs first, each one's first request is
+    a miss of its own and each one's hit is its own.
+    """
+    p = random.Random(11).choices(range(3, 1000), k=3 * DEFAULT_CHUNK_TOKENS + 44)
+    first = _complete(readme_vllm.url, readme_vllm.model, p)
+    second = _complete(readme_vllm.url, readme_vllm.model, p)
+    assert _cached(first) == 0
+    assert _cached(second) == 3 * DEFAULT_CHUNK_TOKENS
+    assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]

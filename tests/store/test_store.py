@@ -210,3 +210,18 @@ def test_malformed_keys_are_refused_not_truncated(
 def test_a_single_bytes_value_is_not_taken_for_a_sequence_of_keys(two_tier: TieredStore) -> None:
     with pytest.raises(InputError, match="sequence of chunk keys"):
         two_tier.lookup(key(1))
+
+
+def test_inline_put_and_get_run_on_the_callers_thread(two_tier: TieredStore) -> None:
+    ks, data = [key(500 + i) for i in range(4)], rand(4 * SLOT, 5)
+    seen: list[str] = []
+    two_tier.add_listener(lambda e: seen.append(threading.current_thread().name))
+    fut = two_tier.put(ks, data, inline=True)
+    assert fut.done() and fut.result().stored == 4
+    assert seen and set(seen) == {threading.current_thread().name}
+    out = np.zeros_like(data)
+    got = two_tier.get(ks, out, inline=True)
+    assert got.done() and got.result().chunks == 4 and np.array_equal(out, data)
+    two_tier.close()
+    with pytest.raises(ClosedError):
+        two_tier.get(ks, out, inline=True)

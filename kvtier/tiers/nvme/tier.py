@@ -30,6 +30,7 @@ to the store.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import functools
@@ -38,7 +39,7 @@ import mmap
 import os
 import shutil
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -443,13 +444,19 @@ class NVMeTier(Tier):
         self._count("io_errors")
         return TierIOError(f"nvme tier {self.name}: {op} failed: {exc}")
 
+    @contextlib.contextmanager
+    def _io(self, op: str) -> Iterator[None]:
+        """An OSError inside the block becomes the tier's counted TierIOError for ``op``."""
+        try:
+            yield
+        except OSError as exc:
+            raise self._io_error(op, exc) from exc
+
     def _check_slabs(self, files: set[int]) -> None:
         """A slab deleted under a running store takes new writes nowhere: refuse them."""
         for f in files:
-            try:
+            with self._io("fstat"):
                 st = self.engine.file_status(f)
-            except OSError as exc:
-                raise self._io_error("fstat", exc) from exc
             if st.st_nlink == 0:
                 self._count("io_errors")
                 msg = f"slab file {self.engine.paths[f]} was deleted; writes refused until restart"
@@ -507,10 +514,8 @@ class NVMeTier(Tier):
                 return buf
 
             reqs.append(IORequest(f, off, m * sb, prepare=prepare, release=self._release_buf))
-        try:
+        with self._io("write"):
             self.engine.write(reqs)
-        except OSError as exc:
-            raise self._io_error("write", exc) from exc
         self._count("media", sum(r.nbytes for r in reqs))
         entries = [
             Entry(run.offset + k, key, vb, sums[k], stored[k], codecs[k])
@@ -596,10 +601,8 @@ class NVMeTier(Tier):
             reqs.append(
                 IORequest(f, off, nbytes, prepare=prepare, done=done, release=self._release_buf)
             )
-        try:
+        with self._io("read"):
             self.engine.read(reqs)
-        except OSError as exc:
-            raise self._io_error("read", exc) from exc
 
     def _encoder(
         self,
@@ -659,10 +662,8 @@ class NVMeTier(Tier):
         """Under ``sync``, wait until every queued deletion is durable (group commit)."""
         if self._closed or self.options.durability is not Durability.SYNC:
             return
-        try:
+        with self._io("journal commit of deletions"):
             self._journal.flush_pending()
-        except OSError as exc:
-            raise self._io_error("journal commit of deletions", exc) from exc
 
     @override
     def flush(self) -> None:
@@ -673,10 +674,8 @@ class NVMeTier(Tier):
         """
         if self._closed:
             return
-        try:
+        with self._io("flush"):
             self._journal.flush()
-        except OSError as exc:
-            raise self._io_error("flush", exc) from exc
 
     @override
     def close(self) -> None:

@@ -1,0 +1,124 @@
+"""The daemon's cheaper HTTP path (issue 15) against a real daemon, over raw sockets.
+
+A fast-path PUT receives its body straight into a slot of the store (the protocol copies
+the parser's pieces into it); a response's head goes out with its first body piece.
+These tests hold what that must not break: bodies in pieces, ``Expect: 100-continue``,
+pipelined requests, a client that goes away mid-body, and the request-bytes metric.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+
+import httpx
+
+from .conftest import Daemon
+
+
+def key() -> str:
+    return os.urandom(16).hex()
+
+
+def _addr(d: Daemon) -> tuple[str, int]:
+    host, port = d.url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def _put_head(k: str, n: int, extra: bytes = b"") -> bytes:
+    return (
+        f"PUT /v1/chunks/{k} HTTP/1.1\r\nHost: x\r\nContent-Length: {n}\r\n".encode()
+        + extra
+        + b"\r\n"
+    )
+
+
+def _responses(s: socket.socket, n: int) -> list[tuple[int, bytes]]:
+    """Read ``n`` responses with a Content-Length each: (status, body)."""
+    buf = b""
+    out: list[tuple[int, bytes]] = []
+    while len(out) < n:
+        end = buf.find(b"\r\n\r\n")
+        if end >= 0:
+            head = buf[:end].decode("latin-1")
+            m = re.search(r"(?im)^content-length:\s*(\d+)", head)
+            length = int(m.group(1)) if m else 0
+            if len(buf) >= end + 4 + length:
+                status = int(head.split(" ", 2)[1])
+                if status != 100:
+                    out.append((status, buf[end + 4 : end + 4 + length]))
+                buf = buf[end + 4 + length :]
+                continue
+        piece = s.recv(1 << 20)
+        if not piece:
+            break
+        buf += piece
+    return out
+
+
+def test_a_body_sent_in_pieces_is_stored_whole(daemon: Daemon) -> None:
+    k, v = key(), os.urandom(700_001)
+    with socket.create_connection(_addr(daemon), timeout=20) as s:
+        s.sendall(_put_head(k, len(v)) + v[:1000])
+        for lo in range(1000, len(v), 150_000):  # later pieces arrive while the route waits
+            time.sleep(0.05)
+            s.sendall(v[lo : lo + 150_000])
+        ((status, body),) = _responses(s, 1)
+    assert status == 200 and b'"stored":1' in body.replace(b" ", b"")
+    assert httpx.get(f"{daemon.url}/v1/chunks/{k}", timeout=20).content == v
+
+
+def test_expect_100_continue_gets_its_interim_answer(daemon: Daemon) -> None:
+    k, v = key(), os.urandom(300_000)
+    with socket.create_connection(_addr(daemon), timeout=20) as s:
+        s.sendall(_put_head(k, len(v), b"Expect: 100-continue\r\n"))
+        assert s.recv(4096).startswith(b"HTTP/1.1 100 Continue")  # curl waits for it
+        s.sendall(v)
+        ((status, _),) = _responses(s, 1)
+    assert status == 200
+    assert httpx.get(f"{daemon.url}/v1/chunks/{k}", timeout=20).content == v
+
+
+def test_pipelined_puts_and_gets_each_get_their_own_bytes(daemon: Daemon) -> None:
+    k1, k2 = key(), key()
+    v1, v2 = os.urandom(200_003), os.urandom(90_001)
+    get = lambda k: f"GET /v1/chunks/{k} HTTP/1.1\r\nHost: x\r\n\r\n".encode()  # noqa: E731
+    with socket.create_connection(_addr(daemon), timeout=20) as s:
+        s.sendall(_put_head(k1, len(v1)) + v1 + _put_head(k2, len(v2)) + v2 + get(k1) + get(k2))
+        got = _responses(s, 4)
+    assert [st for st, _ in got] == [200, 200, 200, 200]
+    assert got[2][1] == v1 and got[3][1] == v2
+
+
+def test_a_client_gone_mid_body_stores_nothing_and_frees_the_key(daemon: Daemon) -> None:
+    k = key()
+    with socket.create_connection(_addr(daemon), timeout=20) as s:
+        s.sendall(_put_head(k, 500_000) + os.urandom(100_000))
+    # The slot it had reserved is given back: the key is absent, and a later put of it
+    # stores (a reservation still open would make it answer "present").
+    with httpx.Client(base_url=daemon.url, timeout=20) as h:
+        assert h.get(f"/v1/chunks/{k}").status_code == 404
+        v = os.urandom(1000)
+        for _ in range(100):  # the daemon notices the hang-up on its own schedule
+            r = h.put(f"/v1/chunks/{k}", content=v).json()
+            if r["stored"] == 1:
+                break
+            h.delete(f"/v1/chunks/{k}")
+            time.sleep(0.1)
+        assert r["stored"] == 1, r
+        assert h.get(f"/v1/chunks/{k}").content == v
+
+
+def _request_bytes(h: httpx.Client) -> int:
+    text = h.get("/metrics").text
+    m = re.search(r'kvtier_http_request_bytes_total\{route="/v1/chunks/\{key\}"\} (\d+)', text)
+    return int(m.group(1)) if m else 0
+
+
+def test_bodies_received_in_place_are_counted_in_metrics(daemon: Daemon) -> None:
+    with httpx.Client(base_url=daemon.url, timeout=20) as h:
+        before = _request_bytes(h)
+        assert h.put(f"/v1/chunks/{key()}", content=os.urandom(123_457)).status_code == 200
+        assert _request_bytes(h) - before == 123_457
