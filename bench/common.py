@@ -1,10 +1,12 @@
-"""Shared helpers for benchmarks: timing with warm-up, medians, and the JSON envelope."""
+"""Shared helpers for benchmarks: timing with warm-up, medians, the JSON envelope, and child
+processes that answer one JSON line per request."""
 
 from __future__ import annotations
 
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -105,3 +107,56 @@ def write_json(path: str | Path | None, payload: dict[str, Any]) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)  # --json ~/results/x.json
         Path(path).write_text(json.dumps(payload, indent=2))
+
+
+class LineChild:
+    """A benchmark's child process (e.g. a vLLM engine) that answers one JSON line per request.
+
+    Requests go to its stdin one JSON line each; its answers are the stdout lines that
+    start with ``mark`` (anything else it prints is passed over); stderr goes to ``log``.
+    The constructor waits for a first marked line: the child is ready.
+
+    Args:
+        cmd: the child's command line.
+        log: file for its stderr (kept for a post-mortem).
+        mark: the prefix of its answer lines.
+        name: what it is, for the error when it exits early.
+        close_timeout_s: how long :meth:`close` waits before killing it.
+    """
+
+    def __init__(
+        self, cmd: list[str], log: Path, mark: str, name: str, *, close_timeout_s: float = 60.0
+    ) -> None:
+        self.mark = mark
+        self.name = name
+        self.close_timeout_s = close_timeout_s
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True
+        )
+        self._read()  # ready
+
+    def _read(self) -> Any:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(self.mark):
+                return json.loads(line[len(self.mark) :])
+        raise RuntimeError(f"{self.name} exited ({self.proc.wait()}); see {self.log.name}")
+
+    def ask(self, msg: object) -> Any:
+        """Send one request; its answer."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        """End its input, wait for it to exit (kill it after ``close_timeout_s``)."""
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=self.close_timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()

@@ -44,7 +44,6 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,7 +51,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.common import envelope, write_json
+from kvtier.bench.common import LineChild, envelope, write_json
 from kvtier.bench.tiny_llama import (
     add_engine_options,
     bench_geometry,
@@ -310,50 +309,11 @@ def producer_child(argv: list[str]) -> int:
     return 0
 
 
-class Producer:
-    """The prefill engine's child process and its line protocol."""
-
-    def __init__(self, a: argparse.Namespace, model: Path, url: str, log: Path) -> None:
-        spec = {**vars(a), "model": str(model), "url": url}
-        self.log = log.open("w")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvtier.bench.vllm_e2e",
-                "--producer-child",
-                json.dumps(spec),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-        )
-        self._read()  # ready
-
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(MARK):
-                out: dict[str, Any] = json.loads(line[len(MARK) :])
-                return out
-        raise RuntimeError(f"the prefill engine exited ({self.proc.wait()}); see {self.log.name}")
-
-    def prefill(self, tokens: list[int]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(tokens) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
+def _start_producer(a: argparse.Namespace, model: Path, url: str, log: Path) -> LineChild:
+    """The prefill engine's child process (:func:`producer_child`): tokens in, a result out."""
+    spec = {**vars(a), "model": str(model), "url": url}
+    cmd = [sys.executable, "-m", "kvtier.bench.vllm_e2e", "--producer-child", json.dumps(spec)]
+    return LineChild(cmd, log, MARK, "the prefill engine")
 
 
 def run_disagg(a: argparse.Namespace) -> int:
@@ -368,10 +328,10 @@ def run_disagg(a: argparse.Namespace) -> int:
     from kvtier.bench.daemon import start_kvtier
 
     url, daemon = start_kvtier(tmp, "2GiB", max_value_bytes=kv_bytes_per_token * a.chunk_tokens)
-    producer: Producer | None = None
+    producer: LineChild | None = None
     finished = False
     try:
-        producer = Producer(a, model, url, tmp / "producer.log")
+        producer = _start_producer(a, model, url, tmp / "producer.log")
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -400,7 +360,7 @@ def run_disagg(a: argparse.Namespace) -> int:
         for i in range(a.warmup + a.repeat):
             tokens = [rng.randrange(3, geo.vocab) for _ in range(a.tokens)]
             before = counters()
-            pre = producer.prefill(tokens)
+            pre = producer.ask(tokens)
             mid = counters()  # the decode engine is idle until here: gets are the producer's
             if i % 2 == 0:
                 hit = decode(tokens, None, pre["params"])

@@ -30,7 +30,6 @@ import random
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +37,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.common import envelope, write_json
+from kvtier.bench.common import LineChild, envelope, write_json
 from kvtier.bench.tiny_llama import TinyLlama, write_tiny_llama
 
 MARK = "KVTIER-ENGINE "
@@ -138,43 +137,11 @@ def engine_child(spec: str, connector: bool) -> int:
     return 0
 
 
-class Engine:
-    """An engine child process and its line protocol."""
-
-    def __init__(self, a: argparse.Namespace, connector: bool, log: Path) -> None:
-        self.log = log.open("w")
-        flag = "--engine-with" if connector else "--engine-without"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.bench.vllm_noreuse", flag, json.dumps(vars(a))],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-        )
-        self._read()  # ready
-
-    def _read(self) -> Any:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(MARK):
-                return json.loads(line[len(MARK) :])
-        raise RuntimeError(f"an engine exited ({self.proc.wait()}); see {self.log.name}")
-
-    def ask(self, msg: object) -> Any:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
+def _start_engine(a: argparse.Namespace, connector: bool, log: Path) -> LineChild:
+    """An engine child process (:func:`engine_child`), with or without the connector."""
+    flag = "--engine-with" if connector else "--engine-without"
+    cmd = [sys.executable, "-m", "kvtier.bench.vllm_noreuse", flag, json.dumps(vars(a))]
+    return LineChild(cmd, log, MARK, "an engine", close_timeout_s=120.0)
 
 
 def main(argv: list[str]) -> int:
@@ -183,7 +150,7 @@ def main(argv: list[str]) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-noreuse-"))
     a.model = str(write_tiny_llama(tmp / "model", geo))
     rng = random.Random(0)
-    engines: dict[str, Engine] = {}
+    engines: dict[str, LineChild] = {}
     finished = False
     tput: dict[str, list[float]] = {"with": [], "without": []}
     pairs: list[float] = []
@@ -191,8 +158,8 @@ def main(argv: list[str]) -> int:
     same = total = 0
     try:
         # One at a time: two engines starting together would only slow each other.
-        engines["with"] = Engine(a, True, tmp / "with.log")
-        engines["without"] = Engine(a, False, tmp / "without.log")
+        engines["with"] = _start_engine(a, True, tmp / "with.log")
+        engines["without"] = _start_engine(a, False, tmp / "without.log")
         for i in range(a.warmup + a.repeat):
             batch = [
                 [rng.randrange(3, geo.vocab) for _ in range(a.tokens)] for _ in range(a.prompts)

@@ -59,8 +59,6 @@ log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 256
 """Connections served at once; one more is refused (one thread each)."""
-MAX_REGIONS = 16
-"""Mappings one connection may hold at once."""
 AUTO = "auto"
 _PEERCRED = struct.Struct("3i")
 
@@ -419,8 +417,8 @@ class SameHostServer:
                 f"a region of {length} B; the daemon maps 1..{self.max_region_bytes} B "
                 "(service.socket_max_region_bytes)",
             )
-        if region not in regions and len(regions) >= MAX_REGIONS:
-            raise Refused(w.Status.BAD_REQUEST, f"{MAX_REGIONS} regions already mapped")
+        if region not in regions and len(regions) >= w.MAX_REGIONS:
+            raise Refused(w.Status.BAD_REQUEST, f"{w.MAX_REGIONS} regions already mapped")
         fd = fds[0]
         try:
             st = os.fstat(fd)

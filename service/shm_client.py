@@ -70,6 +70,8 @@ class Region:
     """
 
     def __init__(self, rid: int, nbytes: int) -> None:
+        if rid > 0xFFFF:  # the frame's region field; ids are never reused (no aliasing)
+            raise OSError("this channel has made all the regions it can (65535)")
         self.rid = rid
         self.nbytes = nbytes
         self.fd = os.memfd_create("kvtier-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -107,7 +109,7 @@ class _Link:
     def __init__(self, path: str, token: str | None, timeout_s: float) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock.settimeout(timeout_s)
-        self.mapped: set[int] = set()
+        self.mapped: dict[int, None] = {}  # region ids, least recently used first
         self.scratch: Region | None = None
         self._recv = 4096
         try:
@@ -166,9 +168,16 @@ class _Link:
         raise TransportError(text)
 
     def map(self, region: Region) -> None:
-        if region.rid not in self.mapped:
-            self.call(w.request(w.Op.MAP, region=region.rid, length=region.nbytes), fd=region.fd)
-            self.mapped.add(region.rid)
+        if region.rid in self.mapped:
+            self.mapped[region.rid] = self.mapped.pop(region.rid)  # now the most recent
+            return
+        while len(self.mapped) >= w.MAX_REGIONS:
+            keep = self.scratch.rid if self.scratch is not None else -1
+            old = next(r for r in self.mapped if r != keep)
+            self.call(w.request(w.Op.UNMAP, region=old))
+            del self.mapped[old]
+        self.call(w.request(w.Op.MAP, region=region.rid, length=region.nbytes), fd=region.fd)
+        self.mapped[region.rid] = None
 
     def close(self) -> None:
         self.sock.close()
@@ -248,7 +257,10 @@ class SameHost:
             return have
         size = max(MIN_SCRATCH_BYTES, 1 << (nbytes - 1).bit_length())
         size = min(size, self.info.max_region_bytes)
-        region = Region(next(self._ids), size)
+        try:
+            region = Region(next(self._ids), size)
+        except OSError as exc:
+            raise SameHostDown(f"no scratch region of {size} B: {exc}") from exc
         try:
             link.map(region)
         except BaseException:
@@ -257,7 +269,7 @@ class SameHost:
         if have is not None:
             with contextlib.suppress(SameHostDown, TransportError):
                 link.call(w.request(w.Op.UNMAP, region=have.rid))
-            link.mapped.discard(have.rid)
+            link.mapped.pop(have.rid, None)
             have.close()
         link.scratch = region
         return region

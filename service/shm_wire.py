@@ -43,6 +43,9 @@ REPLY = struct.Struct("<4sBBHIIQ")
 PUT_COUNTS = struct.Struct("<IIII")
 KEY_BYTES = 16
 MAX_TOKEN_BYTES = 4096
+MAX_REGIONS = 16
+"""Regions one connection may have mapped at once (the client unmaps its least recently
+used one to map another)."""
 
 
 class Op(enum.IntEnum):

@@ -100,6 +100,18 @@ def test_shared_buffers_put_and_get_with_no_client_copy(tenant_daemon: Daemon) -
         assert not dst[:MiB].any() and not dst[2 * MiB :].any()
 
 
+def test_more_shared_buffers_than_a_connection_maps_at_once(tenant_daemon: Daemon) -> None:
+    with Client(tenant_daemon.url, TOKENS["alice"]) as c:
+        bufs = [c.shared_buffer(4096) for _ in range(w.MAX_REGIONS + 5)]
+        keys = [os.urandom(16) for _ in bufs]
+        for i, (k, b) in enumerate(zip(keys, bufs, strict=True)):
+            b[:] = i
+            assert c.put(k, b.data).stored == 1
+        for i, (k, b) in enumerate(zip(keys, bufs, strict=True)):  # again, oldest first
+            b[:] = 255
+            assert c.get_into([k], b).nbytes == 4096 and (b == i).all()
+
+
 def test_two_tokens_never_see_each_others_chunks(tenant_daemon: Daemon) -> None:
     d = tenant_daemon
     keys = [os.urandom(16) for _ in range(3)]
