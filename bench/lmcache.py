@@ -4,22 +4,28 @@ Usage: ``kvtier bench lmcache [--chunks N] [--repeat R] [--json F]``
 
 One real LMCache 0.5.6 engine per backend (Llama-3-8B geometry: 32 layers, 8 KV heads
 of 128, bf16, 256-token chunks = 32 MiB each), the same prompt and the same random KV
-bytes for every backend, run one after the other in one process:
+bytes for every backend, all engines open at once in one process:
 
 * ``kvtier-remote``: ``KVTierRemoteConnector`` to a ``kvtier serve`` daemon whose one
   tier is nvme (``durability = "none"``, buffered I/O);
+* ``kvtier-remote-host``: the same connector to a daemon whose one tier is host memory;
 * ``kvtier-embedded``: ``KVTierStoragePlugin`` with the same nvme tier in-process;
 * ``lmcache-localdisk``: LMCache's ``LocalDiskBackend`` (``local_disk: file://``);
 * ``lmcache-fs``: LMCache's ``fs`` remote connector (one file per chunk);
 * ``lmcache-redis``: LMCache's ``redis`` remote connector on a real ``redis-server``.
 
-The first four keep chunks in files written through the OS page cache without fsync
-(one durability class); Redis keeps them in memory. Per backend: store throughput
+Durability classes: ``kvtier-remote``, ``kvtier-embedded``, ``lmcache-localdisk`` and
+``lmcache-fs`` keep chunks in files written through the OS page cache without fsync;
+``kvtier-remote-host`` and ``lmcache-redis`` keep them in memory. Each kvtier row is
+compared with the best LMCache row of its class. Per backend: store throughput
 (``engine.store`` until the backend holds every chunk), retrieve throughput (LMCache's
-local CPU copy dropped before each retrieve, so bytes come from the backend; median of
-``--repeat``, every retrieve checked byte for byte), and the hit rate after destroying
-the engine and restarting its backend (daemon or redis-server stopped and started;
-files left where they are). The GPU side is a CPU copy (LMCache's mock GPU connector
+local CPU copy dropped before each retrieve, so bytes come from the backend; every
+retrieve checked byte for byte), and the hit rate after destroying the engine and
+restarting its backend (daemon or redis-server stopped and started; files left where
+they are). Retrieves run in ``--repeat`` rounds after a warm-up, each round one
+retrieve per backend in a rotating order, so every backend sees the same moments of a
+shared machine's load; a ratio is reported as the median of the per-round ratios with
+their min and max. The GPU side is a CPU copy (LMCache's mock GPU connector
 plus the copy), the same for every backend.
 """
 
@@ -77,6 +83,28 @@ def _nvme_toml(directory: Path, capacity_bytes: int) -> str:
     )
 
 
+def _host_toml(capacity_bytes: int) -> str:
+    """A daemon whose one tier is host memory (no data_dir: nothing outlives it)."""
+    return "\n".join(
+        [
+            "[[tiers]]",
+            'kind = "host"',
+            f"capacity_bytes = {capacity_bytes}",
+            "",
+            "[store]",
+            'placement = "keep"',
+            "",
+            "[service]",
+            # Empty, not left out: the default is the user's data directory, where the
+            # daemon would add an nvme tier (and this row would no longer be memory).
+            'data_dir = ""',
+            f"max_value_bytes = {CHUNK * TOKEN_BYTES}",
+            f"max_body_bytes = {4 * CHUNK * TOKEN_BYTES}",
+            "",
+        ]
+    )
+
+
 @dataclass
 class _Daemon:
     proc: subprocess.Popen[bytes]
@@ -109,6 +137,8 @@ def _serve(directory: Path, port: int) -> _Daemon:
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
+        # The config file alone decides (a KVTIER_DATA_DIR here would add an nvme tier).
+        env={k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")},
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -154,8 +184,8 @@ class _Engines:
 
         self.connector = Copy
 
-    @contextmanager
-    def engine(self, config: dict[str, Any]) -> Iterator[Any]:
+    def open(self, config: dict[str, Any]) -> tuple[str, Any]:
+        """A new engine over ``config``: (its name, the engine)."""
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.metadata import LMCacheMetadata
@@ -186,17 +216,27 @@ class _Engines:
             lambda o, r: o,
         )
         eng.post_init()
+        return name, eng
+
+    def close(self, name: str) -> None:
+        from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+        # LMCache 0.5.6's redis connector can hang in close(): bound the wait, note
+        # it, and go on (main() then exits without waiting for LMCache's threads).
+        t = threading.Thread(target=LMCacheEngineBuilder.destroy, args=(name,), daemon=True)
+        t.start()
+        t.join(60)
+        if t.is_alive():
+            self.stuck.append(name)
+            print(f"  (LMCache did not close engine {name} within 60 s)", flush=True)
+
+    @contextmanager
+    def engine(self, config: dict[str, Any]) -> Iterator[Any]:
+        name, eng = self.open(config)
         try:
             yield eng
         finally:
-            # LMCache 0.5.6's redis connector can hang in close(): bound the wait, note
-            # it, and go on (main() then exits without waiting for LMCache's threads).
-            t = threading.Thread(target=LMCacheEngineBuilder.destroy, args=(name,), daemon=True)
-            t.start()
-            t.join(60)
-            if t.is_alive():
-                self.stuck.append(name)
-                print(f"  (LMCache did not close engine {name} within 60 s)", flush=True)
+            self.close(name)
 
 
 @dataclass
@@ -220,47 +260,85 @@ def _wait_held(eng: Any, tokens: list[int], backend: str, timeout_s: float = 120
         time.sleep(0.01)
 
 
-def _run_backend(
-    engines: _Engines, b: _Backend, tokens: list[int], kv: Any, repeat: int
-) -> dict[str, Any]:
-    torch = engines.torch
+def _store(engines: _Engines, b: _Backend, tokens: list[int], kv: Any) -> dict[str, Any]:
+    """Open ``b``'s engine and store the prompt until the backend holds every chunk."""
     nbytes = len(tokens) * TOKEN_BYTES
     row: dict[str, Any] = {"backend": b.name, "durability": b.durability, "bytes": nbytes}
-    with engines.engine(b.config()) as eng:
-        t0 = time.perf_counter()
-        eng.store(tokens, kv=kv)
-        held = _wait_held(eng, tokens, b.backend)
-        store_s = time.perf_counter() - t0
-        row["stored_tokens"] = held
-        row["store_GBps"] = nbytes / store_s / 1e9
-        times: list[float] = []
-        got: list[int] = []
-        ok = True
-        for _ in range(repeat + 1):  # the first is a warm-up
-            eng.clear(locations=["LocalCPUBackend"])
-            out = torch.zeros(nbytes, dtype=torch.uint8)
-            t0 = time.perf_counter()
-            mask = eng.retrieve(tokens, out=out)
-            times.append(time.perf_counter() - t0)
-            n = int(mask.sum()) * TOKEN_BYTES
-            got.append(n // TOKEN_BYTES)
-            # Correctness over what came back; a short retrieve shows in retrieved_tokens.
-            ok = ok and bool(torch.equal(out[:n], kv[:n]))
-        row["retrieved_tokens"] = min(got)
-        row["complete"] = held == len(tokens) and min(got) == len(tokens)
-        row["retrieve_s"] = {
-            "median": statistics.median(times[1:]),
-            "min": min(times[1:]),
-            "max": max(times[1:]),
-        }
-        row["retrieve_GBps"] = min(got) * TOKEN_BYTES / row["retrieve_s"]["median"] / 1e9
-        row["bytes_equal"] = ok
-        b.before_close()
+    name, eng = engines.open(b.config())
+    row["_engine"] = (name, eng)
+    t0 = time.perf_counter()
+    eng.store(tokens, kv=kv)
+    held = _wait_held(eng, tokens, b.backend)
+    row["stored_tokens"] = held
+    row["store_GBps"] = nbytes / (time.perf_counter() - t0) / 1e9
+    row["_times"], row["_got"], row["bytes_equal"] = [], [], True
+    return row
+
+
+def _retrieve(engines: _Engines, row: dict[str, Any], tokens: list[int], kv: Any) -> float:
+    """One retrieve from the backend (LMCache's local CPU copy dropped first); seconds."""
+    torch = engines.torch
+    eng = row["_engine"][1]
+    eng.clear(locations=["LocalCPUBackend"])
+    out = torch.zeros(len(tokens) * TOKEN_BYTES, dtype=torch.uint8)
+    t0 = time.perf_counter()
+    mask = eng.retrieve(tokens, out=out)
+    dt = time.perf_counter() - t0
+    n = int(mask.sum()) * TOKEN_BYTES
+    # Correctness over what came back; a short retrieve shows in retrieved_tokens.
+    row["bytes_equal"] = row["bytes_equal"] and bool(torch.equal(out[:n], kv[:n]))
+    row["_got"].append(n // TOKEN_BYTES)
+    return dt
+
+
+def _finish(engines: _Engines, b: _Backend, row: dict[str, Any], tokens: list[int]) -> None:
+    """Summarise the retrieves, close the engine, restart the backend, look up again."""
+    times, got = row.pop("_times"), row.pop("_got")
+    row["retrieved_tokens"] = min(got)
+    row["complete"] = row["stored_tokens"] == len(tokens) and min(got) == len(tokens)
+    row["retrieve_s"] = {
+        "median": statistics.median(times),
+        "min": min(times),
+        "max": max(times),
+        "all": times,
+    }
+    row["retrieve_GBps"] = min(got) * TOKEN_BYTES / row["retrieve_s"]["median"] / 1e9
+    b.before_close()
+    engines.close(row.pop("_engine")[0])
     b.restart()
     with engines.engine(b.config()) as eng:
         hit = int(eng.lookup(tokens))
     row["hit_rate_after_restart"] = hit / len(tokens)
-    return row
+
+
+def _verify_s(kv: Any) -> float:
+    """Seconds of the check kvtier's nvme tier does on every read and LMCache's file
+    backends do not: one xxh3_64 per chunk over the same bytes (a reference figure)."""
+    import xxhash
+
+    view = kv.numpy().data
+    step = CHUNK * TOKEN_BYTES
+    t0 = time.perf_counter()
+    for off in range(0, len(view), step):
+        xxhash.xxh3_64_intdigest(view[off : off + step])
+    return time.perf_counter() - t0
+
+
+def _round_ratios(rows: list[dict[str, Any]], ours: str, theirs: str) -> dict[str, float]:
+    """Retrieve-throughput ratio ours/theirs per round (same round = same moment's load)."""
+    a = next(r for r in rows if r["backend"] == ours)
+    b = next(r for r in rows if r["backend"] == theirs)
+    if not (a["complete"] and b["complete"]):
+        # A retrieve that came back short is not the same work: no throughput ratio.
+        nan = float("nan")
+        return {"median": nan, "min": nan, "max": nan, "of_medians": nan}
+    per = [tb / ta for ta, tb in zip(a["retrieve_s"]["all"], b["retrieve_s"]["all"], strict=True)]
+    return {
+        "median": statistics.median(per),
+        "min": min(per),
+        "max": max(per),
+        "of_medians": b["retrieve_s"]["median"] / a["retrieve_s"]["median"],
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -293,14 +371,21 @@ def main(argv: list[str]) -> int:
     (tmp / "daemon" / "kvtier.toml").write_text(_nvme_toml(tmp / "daemon", capacity))
     (tmp / "embedded").mkdir()
     (tmp / "embedded" / "kvtier.toml").write_text(_nvme_toml(tmp / "embedded", capacity))
-    port = _free_port()
+    (tmp / "daemon-host").mkdir()
+    (tmp / "daemon-host" / "kvtier.toml").write_text(_host_toml(capacity))
+    port, host_port = _free_port(), _free_port()
     state: dict[str, Any] = {"daemon": _serve(tmp / "daemon", port)}
+    state["daemon-host"] = _serve(tmp / "daemon-host", host_port)
     redis = RedisServer(tmp / "redis").start()
     state["redis"] = redis
 
     def restart_daemon() -> None:
         state["daemon"].stop()
         state["daemon"] = _serve(tmp / "daemon", port)
+
+    def restart_host_daemon() -> None:
+        state["daemon-host"].stop()
+        state["daemon-host"] = _serve(tmp / "daemon-host", host_port)
 
     def stop_redis() -> None:
         state["redis"].stop()
@@ -311,22 +396,32 @@ def main(argv: list[str]) -> int:
     def nothing() -> None:
         return None
 
+    def remote(daemon: str) -> dict[str, Any]:
+        return {
+            "remote_storage_plugins": ["kvtier"],
+            "extra_config": {
+                "remote_storage_plugin.kvtier.module_path": "kvtier.connectors.lmcache",
+                "remote_storage_plugin.kvtier.class_name": "KVTierRemoteConnector",
+                "remote_storage_plugin.kvtier.url": state[daemon].url,
+                "remote_storage_plugin.kvtier.timeout_s": 60.0,
+            },
+        }
+
     disk_gb = 2 * nbytes / 2**30
     backends = [
         _Backend(
             "kvtier-remote",
             "files, no fsync",
-            lambda: {
-                "remote_storage_plugins": ["kvtier"],
-                "extra_config": {
-                    "remote_storage_plugin.kvtier.module_path": "kvtier.connectors.lmcache",
-                    "remote_storage_plugin.kvtier.class_name": "KVTierRemoteConnector",
-                    "remote_storage_plugin.kvtier.url": state["daemon"].url,
-                    "remote_storage_plugin.kvtier.timeout_s": 60.0,
-                },
-            },
+            lambda: remote("daemon"),
             "RemoteBackend-kvtier",
             restart_daemon,
+        ),
+        _Backend(
+            "kvtier-remote-host",
+            "memory",
+            lambda: remote("daemon-host"),
+            "RemoteBackend-kvtier",
+            restart_host_daemon,
         ),
         _Backend(
             "kvtier-embedded",
@@ -368,43 +463,76 @@ def main(argv: list[str]) -> int:
             stop_redis,
         ),
     ]
+    chosen = [b for b in backends if not args.only or b.name in args.only]
     rows: list[dict[str, Any]] = []
+    verify: list[float] = []
     try:
-        for b in backends:
-            if args.only and b.name not in args.only:
-                continue
-            rows.append(_run_backend(engines, b, tokens, kv, args.repeat))
-            r = rows[-1]
+        for b in chosen:
+            rows.append(_store(engines, b, tokens, kv))
+            print(f"{b.name:18} store {rows[-1]['store_GBps']:6.2f} GB/s", flush=True)
+        for r in rows:  # warm-up, not timed
+            _retrieve(engines, r, tokens, kv)
+        # Round-robin: each round retrieves once from every backend, the order rotating,
+        # so all backends see the same moments of this shared machine's load.
+        for k in range(args.repeat):
+            for r in rows[k % len(rows) :] + rows[: k % len(rows)]:
+                r["_times"].append(_retrieve(engines, r, tokens, kv))
+            verify.append(_verify_s(kv))
+        for b, r in zip(chosen, rows, strict=True):
+            _finish(engines, b, r, tokens)
             print(
-                f"{r['backend']:18} store {r['store_GBps']:6.2f} GB/s  retrieve {r['retrieve_GBps']:6.2f} GB/s  "
-                f"complete {r['complete']}  bytes equal {r['bytes_equal']}  hits after restart {r['hit_rate_after_restart']:.0%}",
+                f"{r['backend']:18} retrieve {r['retrieve_GBps']:6.2f} GB/s  "
+                f"complete {r['complete']}  bytes equal {r['bytes_equal']}  "
+                f"hits after restart {r['hit_rate_after_restart']:.0%}",
                 flush=True,
             )
     finally:
+        for r in rows:
+            if "_engine" in r:
+                engines.close(r.pop("_engine")[0])
         state["daemon"].stop()
+        state["daemon-host"].stop()
         state["redis"].stop()
-    by = {r["backend"]: r for r in rows}
-    ratios: dict[str, float] = {}
+    ratios: dict[str, dict[str, float]] = {}
     disk = [
         r
         for r in rows
         if r["durability"].startswith("files") and r["backend"].startswith("lmcache")
     ]
+    names = {r["backend"] for r in rows}
     if disk:
         best = max(disk, key=lambda r: r["retrieve_GBps"])
-        for k in ("kvtier-remote", "kvtier-embedded"):
-            if k in by:
-                ratios[f"{k}_retrieve_vs_{best['backend']}"] = (
-                    by[k]["retrieve_GBps"] / best["retrieve_GBps"]
+        for ours in ("kvtier-remote", "kvtier-embedded"):
+            if ours in names:
+                ratios[f"{ours}_retrieve_vs_{best['backend']}"] = _round_ratios(
+                    rows, ours, best["backend"]
                 )
-    if "kvtier-remote" in by and by.get("lmcache-redis", {}).get("retrieve_GBps"):
-        ratios["kvtier-remote_retrieve_vs_lmcache-redis"] = (
-            by["kvtier-remote"]["retrieve_GBps"] / by["lmcache-redis"]["retrieve_GBps"]
+    if "lmcache-redis" in names:  # the memory class: LMCache's redis connector
+        for ours in ("kvtier-remote-host", "kvtier-remote"):
+            if ours in names:
+                ratios[f"{ours}_retrieve_vs_lmcache-redis"] = _round_ratios(
+                    rows, ours, "lmcache-redis"
+                )
+    for what, v in ratios.items():
+        print(
+            f"{what}: {v['median']:.2f}x (per-round median; min {v['min']:.2f}, max "
+            f"{v['max']:.2f}; ratio of medians {v['of_medians']:.2f})"
         )
-    for k, v in ratios.items():
-        print(f"{k}: {v:.2f}x")
     verified = all(r["bytes_equal"] for r in rows)
-    payload = envelope("lmcache", rows, ratios=ratios, verified=verified, chunks=args.chunks)
+    verify_s = statistics.median(verify) if rows and args.repeat else None
+    if verify_s:
+        print(
+            f"xxh3 over the prompt's bytes (kvtier's read check): {nbytes / verify_s / 1e9:.2f} GB/s"
+        )
+    payload = envelope(
+        "lmcache",
+        rows,
+        ratios=ratios,
+        verified=verified,
+        chunks=args.chunks,
+        repeat=args.repeat,
+        checksum_s=verify_s,
+    )
     write_json(args.json, {**payload, "engines_not_closed": engines.stuck})
     rc = 0 if verified else 1
     if engines.stuck:  # LMCache's stuck threads would keep the interpreter from exiting

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _KEY_RE = re.compile(KEY_PATTERN)
+INLINE_GET_BYTES = 4 << 20
+"""Largest memory hit a GET copies on the event loop (a 4 MiB memcpy is ~0.5 ms)."""
 T = TypeVar("T")
 
 
@@ -151,7 +153,10 @@ class Daemon:
     async def get_value(self, t: Tenant, hex_key: str) -> memoryview | None:
         """One value for tenant ``t``, or None (the shared logic of both GET paths)."""
         buf = np.empty(self.limits.max_value_bytes, dtype=np.uint8)
-        res = await asyncio.wrap_future(self.store.get([self.key(t, hex_key)], buf))
+        # A hit in memory is copied here, on the event loop: cheaper than the round trip
+        # through an I/O thread (two wake-ups, the GIL handed over twice).
+        fut = self.store.get([self.key(t, hex_key)], buf, inline_memory_bytes=INLINE_GET_BYTES)
+        res = fut.result() if fut.done() else await asyncio.wrap_future(fut)
         if not res.chunks:
             self.tenants.add(t.name, lookup_miss_chunks=1)
             return None

@@ -21,6 +21,7 @@ import http.client
 import queue
 import socket
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import httpx
 
@@ -146,11 +147,16 @@ class HTTP11Transport(httpx.BaseTransport):
         return conn.getresponse()
 
     def close(self) -> None:
-        while True:
-            try:
-                self._idle.get_nowait().close()
-            except queue.Empty:
-                return
+        _close_idle(self._idle)
+
+
+def _close_idle(idle: queue.LifoQueue[Any]) -> None:
+    """Close the connections waiting in a pool of either transport."""
+    while True:
+        try:
+            idle.get_nowait().close()
+        except queue.Empty:
+            return
 
 
 def _translate(exc: BaseException) -> httpx.TransportError:
@@ -328,11 +334,7 @@ class RawHTTP:
         return status, headers, buf[end + 4 :]
 
     def close(self) -> None:
-        while True:
-            try:
-                self._idle.get_nowait().close()
-            except queue.Empty:
-                return
+        _close_idle(self._idle)
 
 
 def _send_all(sock: socket.socket, parts: list[memoryview]) -> None:

@@ -12,6 +12,8 @@ Thread-safe: the client keeps a pool of connections; the breaker keeps its field
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,6 +25,9 @@ from kvtier.service.protocol import RetryPolicy
 from kvtier.store.types import PutResult
 
 log = logging.getLogger(__name__)
+
+# At most one warning per this many seconds about stores the daemon did not keep.
+LOG_EVERY_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +71,10 @@ class DaemonLink:
             pool=pool,
         )
         self._breaker = Breaker(settings.url, dropped="stores", refused="the value")
+        # Chunks the daemon answered for but did not keep (full store, tier errors).
+        self._lock = threading.Lock()
+        self.dropped_total = 0
+        self._last_drop_log = -LOG_EVERY_S
         # The daemon's largest value (None until it answered once).
         self.max_value_bytes: int | None = None
         self._adopt_limits()
@@ -110,8 +119,22 @@ class DaemonLink:
 
     def get_into(self, key: ChunkKey, dst: memoryview) -> int:
         """Copy one value into ``dst``; its length in bytes, or 0 for a miss."""
-        got = self._breaker.call("load", lambda: self._client.get_into([key], dst), None)
-        return got.nbytes if got is not None and got.chunks == 1 else 0
+        got = self.get_into_many([key], dst)
+        return got[0] if got else 0
+
+    def get_into_many(self, keys: Sequence[ChunkKey], dst: memoryview) -> tuple[int, ...]:
+        """Copy the leading present values of ``keys`` into ``dst``, packed.
+
+        Returns:
+            the length in bytes of each value copied, in key order (empty: a miss, or
+            the daemon could not be asked).
+        """
+        if not keys:
+            return ()
+        what = f"load of {len(keys)} chunks"
+        got = self._breaker.call(what, lambda: self._client.get_into(list(keys), dst), None)
+        lengths: tuple[int, ...] = got.value_bytes if got is not None else ()
+        return lengths
 
     def put(self, key: ChunkKey, value: memoryview) -> bool:
         """Store one value; True when the daemon holds it afterwards."""
@@ -132,15 +155,32 @@ class DaemonLink:
             what, lambda: self._client.put_many(list(keys), list(values)), None
         )
         if res is not None and (res.rejected or res.failed):
-            log.debug(
-                "kvtier daemon %s kept %d of %d chunks (%d rejected, %d failed)",
+            self._dropped(res, len(keys))
+        return res
+
+    def _dropped(self, res: PutResult, asked: int) -> None:
+        """Say, at most once per LOG_EVERY_S, that the daemon kept fewer chunks than sent.
+
+        Not a link failure (the daemon answered): the breaker stays closed, lookups of
+        the dropped chunks are misses, and LMCache keeps its other copies.
+        """
+        now = time.monotonic()
+        with self._lock:
+            self.dropped_total += res.rejected + res.failed
+            speak = now - self._last_drop_log >= LOG_EVERY_S
+            if speak:
+                self._last_drop_log = now
+        if speak:
+            log.warning(
+                "kvtier daemon %s kept %d of %d chunks: %d rejected (its store is full or "
+                "its placement declined them), %d failed (a tier error: see the daemon's "
+                "log); those chunks will miss",
                 self.settings.url,
                 res.stored + res.present,
-                len(keys),
+                asked,
                 res.rejected,
                 res.failed,
             )
-        return res
 
     def delete(self, key: ChunkKey) -> bool:
         gone: bool = self._breaker.call("delete", lambda: self._client.delete(key), False)

@@ -27,6 +27,7 @@ import asyncio
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -45,14 +46,16 @@ from kvtier.config import load_config
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.factory import build_store
 from kvtier.keys import ChunkKey
-from kvtier.store.types import PutResult
+from kvtier.store.types import GetResult, PutResult
 
 from .keys import engine_key
 from .settings import STORAGE_PREFIX, plugin_name
+from .spans import collect, spans
 
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config_file"
+DROP_LOG_EVERY_S = 30.0
 
 
 class KVTierStoragePlugin(StoragePluginInterface):  # type: ignore[misc]  # LMCache is untyped
@@ -95,6 +98,9 @@ class KVTierStoragePlugin(StoragePluginInterface):  # type: ignore[misc]  # LMCa
         self.store = build_store(cfg, chunk_bytes=self.full_chunk_size_bytes).store
         self._lock = threading.Lock()
         self._put_tasks: set[CacheEngineKey] = set()
+        # Chunks stored to LMCache's call that the kvtier store did not keep.
+        self.dropped_total = 0
+        self._last_drop_log = -DROP_LOG_EVERY_S
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-lmcache-plugin")
         log.info(
             "kvtier storage plug-in %r: %s, chunk %d B, tiers %s",
@@ -179,45 +185,78 @@ class KVTierStoragePlugin(StoragePluginInterface):  # type: ignore[misc]  # LMCa
         obj.ref_count_down()
         with self._lock:
             self._put_tasks.discard(key)
+        if fut is not None and not fut.exception():
+            res = fut.result()
+            if res.rejected or res.failed:
+                self._dropped(res)
         if fut is not None and callback is not None and not fut.exception():
             try:
                 callback(key)
             except Exception as exc:  # LMCache's callback: its failure must not kill ours
                 log.warning("kvtier storage plug-in: on_complete_callback failed: %s", exc)
 
+    def _dropped(self, res: PutResult) -> None:
+        """Say, at most once per DROP_LOG_EVERY_S, that a store kept fewer chunks."""
+        now = time.monotonic()
+        with self._lock:
+            self.dropped_total += res.rejected + res.failed
+            if now - self._last_drop_log < DROP_LOG_EVERY_S:
+                return
+            self._last_drop_log = now
+            total = self.dropped_total
+        log.warning(
+            "kvtier storage plug-in %r: a chunk was not kept (%s; %d so far); it will "
+            "miss, LMCache's other backends still hold it",
+            self.name,
+            "no room: the store is full or its placement declined it"
+            if res.rejected
+            else "a tier error, logged by the store",
+            total,
+        )
+
     # -- loads -------------------------------------------------------------------------------
 
     def _load_run(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj]:
-        """Load the leading present run of ``keys`` (stops at the first miss)."""
+        """Load the leading present run of ``keys`` (stops at the first miss).
+
+        One store get per span of back-to-back memory objects (usually the whole run:
+        see :mod:`.spans`), so the chunks of a run are read in parallel by the tier
+        with one index lookup and one thread hop, straight into LMCache's memory.
+        """
         ks: list[ChunkKey] = [engine_key(k) for k in keys]
         try:
             n = self.store.lookup(ks).hits
         except KVTierError:
             return []
         assert self.local_cpu_backend is not None
-        pending: list[tuple[MemoryObj, Future[Any]]] = []
-        for k in ks[:n]:
+        objs: list[MemoryObj] = []
+        for _ in range(n):
             obj = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
             if obj is None:
                 break
+            objs.append(obj)
+        span_list = spans(objs, self.full_chunk_size_bytes)
+        futures: list[Future[GetResult] | None] = []
+        for sp in span_list:
             try:
-                pending.append((obj, self.store.get([k], obj.byte_array.cast("B"))))
-            except KVTierError:
-                obj.ref_count_down()
-                break
-        out: list[MemoryObj] = []
-        broken = False  # a chunk that failed to read ends the run: later ones are freed
-        for obj, fut in pending:
-            res = fut.result()
-            if not broken and res.chunks == 1:
-                try:
-                    out.append(RemoteConnector.reshape_partial_chunk(self, obj, res.nbytes))
-                    continue
-                except ValueError as exc:  # a length that is no whole number of tokens
-                    log.warning("kvtier storage plug-in: malformed chunk, a miss: %s", exc)
-            broken = True
-            obj.ref_count_down()
-        return out
+                futures.append(self.store.get(ks[sp.start : sp.start + sp.count], sp.view))
+            except KVTierError as exc:  # closed, or the chunks left meanwhile: a miss
+                log.debug("kvtier storage plug-in: load failed, a miss: %s", exc)
+                futures.append(None)
+        results: list[tuple[int, ...]] = []
+        for fut in futures:
+            try:
+                results.append(fut.result().value_bytes if fut is not None else ())
+            except KVTierError as exc:  # the store closed under the load: a miss
+                log.debug("kvtier storage plug-in: load failed, a miss: %s", exc)
+                results.append(())
+        return collect(
+            objs,
+            results,
+            span_list,
+            self.full_chunk_size_bytes,
+            functools.partial(RemoteConnector.reshape_partial_chunk, self),
+        )
 
     @override
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:

@@ -46,6 +46,7 @@ from typing_extensions import override
 from .keys import engine_key
 from .link import DaemonLink
 from .settings import REMOTE_PREFIX, daemon_settings, plugin_name
+from .spans import collect, spans, split
 
 log = logging.getLogger(__name__)
 
@@ -123,23 +124,41 @@ class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache i
 
     # -- loads -------------------------------------------------------------------------------
 
-    def _get_sync(self, key: CacheEngineKey) -> MemoryObj | None:
-        obj = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
-        if obj is None:
-            log.debug("kvtier remote plug-in: no local CPU memory for a load; a miss")
-            return None
-        try:
-            n = self.link.get_into(engine_key(key), obj.byte_array.cast("B"))
-            if n:
-                return self.reshape_partial_chunk(obj, n)
-        except ValueError as exc:  # a length that is no whole number of tokens
-            log.warning("kvtier remote plug-in: value of %s is malformed, a miss: %s", key, exc)
-        obj.ref_count_down()
-        return None
+    def _allocate(self, n: int) -> list[MemoryObj]:
+        objs: list[MemoryObj] = []
+        for _ in range(n):
+            obj = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
+            if obj is None:
+                log.debug("kvtier remote plug-in: no local CPU memory for a load; a miss")
+                break
+            objs.append(obj)
+        return objs
+
+    async def _load_run(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj]:
+        """The leading run of ``keys`` the daemon holds, loaded; the rest freed.
+
+        A few requests per span of back-to-back memory objects (usually the whole run:
+        see :mod:`.spans`), at most four in flight: one request per chunk paid a round
+        trip each; one for the whole run left the daemon's reads and the client's receive
+        in sequence. The values land straight in LMCache's memory.
+        """
+        objs = await self._run(self._allocate, len(keys))
+        span_list = split(spans(objs, self.full_chunk_size_bytes), self.full_chunk_size_bytes, 4)
+        ks = [engine_key(k) for k in keys]
+        results = await asyncio.gather(
+            *(
+                self._run(self.link.get_into_many, ks[sp.start : sp.start + sp.count], sp.view)
+                for sp in span_list
+            )
+        )
+        return collect(
+            objs, results, span_list, self.full_chunk_size_bytes, self.reshape_partial_chunk
+        )
 
     @override
     async def get(self, key: CacheEngineKey) -> MemoryObj | None:
-        return await self._run(self._get_sync, key)
+        got = await self._load_run([key])
+        return got[0] if got else None
 
     @override
     def support_batched_get(self) -> bool:
@@ -147,23 +166,15 @@ class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache i
 
     @override
     async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        return list(await asyncio.gather(*(self.get(k) for k in keys)))
+        got: list[MemoryObj | None] = list(await self._load_run(keys))
+        return got + [None] * (len(keys) - len(got))
 
     @override
     async def batched_get_non_blocking(
         self, lookup_id: str, keys: list[CacheEngineKey]
     ) -> list[MemoryObj]:
         """The leading run of loaded chunks; objects loaded after a miss are freed."""
-        got = await self.batched_get(keys)
-        out: list[MemoryObj] = []
-        broken = False
-        for obj in got:
-            broken = broken or obj is None
-            if not broken:
-                out.append(obj)
-            elif obj is not None:
-                obj.ref_count_down()
-        return out
+        return await self._load_run(keys)
 
     # -- stores ------------------------------------------------------------------------------
 

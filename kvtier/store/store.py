@@ -121,6 +121,8 @@ class TieredStore:
         self._idle = threading.Condition(threading.Lock())
         self._closed = False
         self._index.recover()
+        # Tiers whose reads are plain memcpys (they give slot views): see get().
+        self._memory = [t.slot_view(0, 1) is not None for t in self.tiers]
 
     # -- public API ----------------------------------------------------------------------
 
@@ -247,7 +249,12 @@ class TieredStore:
         )
 
     def get(
-        self, keys: Sequence[ChunkKey], dst: Buffer, *, inline: bool = False
+        self,
+        keys: Sequence[ChunkKey],
+        dst: Buffer,
+        *,
+        inline: bool = False,
+        inline_memory_bytes: int = 0,
     ) -> Future[GetResult]:
         """Copy the leading present chunks of ``keys`` into ``dst``, packed.
 
@@ -257,6 +264,12 @@ class TieredStore:
         chunks before it, so the caller never uses bytes that were not verified. Chunks
         missing from the index are looked for in shared tiers on the I/O thread, as in
         :meth:`lookup`. ``inline``: as for :meth:`put`.
+
+        ``inline_memory_bytes``: read on the caller's thread anyway (a done future) when
+        the hit lies in tiers of plain memory (:meth:`~kvtier.tiers.base.Tier.slot_view`)
+        and needs at most this many bytes, or is a miss with no shared tier to ask: a
+        memcpy then costs less than the hand-off to an I/O thread and back (the daemon's
+        event loop uses it; a tier behind I/O still never blocks the caller).
         """
         self._check_open()
         keys = check_keys(keys)
@@ -267,6 +280,13 @@ class TieredStore:
             self._index.unread(slots)
             raise InputError(f"destination of {view.nbytes} B; the hit needs {need} B")
         tail = list(keys[len(slots) :]) if self._mover.shared else []
+        if (
+            not inline
+            and not tail
+            and need <= inline_memory_bytes
+            and all(self._memory[sl.tier] for sl in slots)
+        ):
+            inline = True
         return self._submit(self._mover.get, slots, view, tail, inline=inline)
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:

