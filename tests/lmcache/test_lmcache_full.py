@@ -10,12 +10,7 @@ from its local CPU copy, and once the disk has room again stores and hits resume
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
-import shutil
-import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,6 +33,7 @@ from tests.connectors.lmcache_engine import (
     remote_config,
 )
 from tests.service.conftest import start_daemon
+from tests.tmpfs import fill, mounted_tmpfs
 
 N_TOKENS = 4 * CHUNK + 5
 FULL = 4 * CHUNK
@@ -45,37 +41,12 @@ FULL = 4 * CHUNK
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root to mount a small tmpfs (a real full disk); not root here")
-    mnt = tmp_path / f"fs-{uuid.uuid4().hex[:8]}"
-    mnt.mkdir()
     # 16 MiB: room, once the filler is gone, for the daemon's slab to grow by a run of
     # its 1 MiB slots (max_value_bytes) plus the journal.
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with mounted_tmpfs(
+        tmp_path, "16m", "needs root to mount a small tmpfs (a real full disk); not root here"
+    ) as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def _fill(directory: Path) -> Path:
-    """Fill the filesystem of ``directory`` until a write fails with ENOSPC."""
-    filler = directory / f"filler-{uuid.uuid4().hex[:6]}"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-    try:
-        while True:
-            os.write(fd, b"\xff" * 4096)
-    except OSError as exc:
-        assert exc.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
-    return filler
 
 
 def _equal(out: torch.Tensor, kv: torch.Tensor, n: int) -> bool:
@@ -107,7 +78,7 @@ def test_plugin_on_a_full_disk_misses_with_a_reason_while_lmcache_serves(
     caplog.set_level(logging.WARNING, logger="kvtier")
     with engine(plugin_config(str(cfg))) as e:
         assert PLUGIN in e.backends()
-        filler = _fill(small_fs)
+        filler = fill(small_fs)
         _serves_from_local_cpu_but_kvtier_misses(e, PLUGIN, tokens, kv)
         messages = [r.getMessage() for r in caplog.records]
         assert any("No space left" in m for m in messages), caplog.text
@@ -133,7 +104,7 @@ def test_remote_to_a_daemon_on_a_full_disk_misses_with_a_reason_while_lmcache_se
     try:
         with engine(remote_config(d.url)) as e:
             assert REMOTE in e.backends()
-            filler = _fill(small_fs)
+            filler = fill(small_fs)
             _serves_from_local_cpu_but_kvtier_misses(e, REMOTE, tokens, kv)
             assert any("kept 0 of" in r.getMessage() for r in caplog.records), caplog.text
             assert "No space left" in d.log.read_text()

@@ -10,16 +10,14 @@ old value or a miss. Anything else a GET returns is stale or wrong.
 
 from __future__ import annotations
 
-import errno
 import os
-import shutil
-import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+
+from tests.tmpfs import fill, mounted_tmpfs
 
 from .conftest import DaemonFactory
 
@@ -29,34 +27,12 @@ VALUE = 64 * KiB
 
 @pytest.fixture(scope="module")
 def small_fs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root to mount a small tmpfs (a real full disk); not root here")
-    mnt = tmp_path_factory.mktemp("fs") / f"fs-{uuid.uuid4().hex[:8]}"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with mounted_tmpfs(
+        tmp_path_factory.mktemp("fs"),
+        "12m",
+        "needs root to mount a small tmpfs (a real full disk); not root here",
+    ) as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def _fill(directory: Path) -> Path:
-    filler = directory / f"filler-{uuid.uuid4().hex[:6]}"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-    try:
-        while True:
-            os.write(fd, b"\xff" * 4096)
-    except OSError as exc:
-        assert exc.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
-    return filler
 
 
 class Truth:
@@ -119,7 +95,7 @@ def test_full_disk_with_deletes_and_re_puts_across_restarts_serves_no_stale_byte
     with httpx.Client(base_url=d.url, timeout=60) as h:
         for k in keys[:90]:
             truth.put(h, k, os.urandom(VALUE))
-        filler = _fill(small_fs)
+        filler = fill(small_fs)
         # While full: delete old keys (80 records: more than the journal's last page
         # holds), store some again, store new ones.
         for k in keys[:80]:
@@ -142,7 +118,7 @@ def test_full_disk_with_deletes_and_re_puts_across_restarts_serves_no_stale_byte
         assert bad == 0
         assert served > 0
         # A second round, full again, then a restart while still full.
-        filler = _fill(small_fs)
+        filler = fill(small_fs)
         for k in keys[40:70]:
             truth.delete(h, k)
         for k in keys[40:50] + keys[100:]:

@@ -13,9 +13,6 @@ import contextlib
 import errno
 import logging
 import os
-import shutil
-import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +25,7 @@ from kvtier.tiers.base import TierGeometry
 from kvtier.tiers.nvme import Durability
 from kvtier.tiers.nvme.engine import PosixEngine
 from tests.tiers.nvme.conftest import SLOT, VALUE, get_all, key, values
+from tests.tmpfs import fill, mounted_tmpfs
 
 
 class FaultyEngine(PosixEngine):
@@ -166,33 +164,16 @@ def test_journal_cut_mid_record(make_store, tmp_path: Path) -> None:
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs mounted for the test, or a skip where mounting is not allowed."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root; the injected ENOSPC test covers this path")
-    mnt = tmp_path / f"fs-{uuid.uuid4().hex[:8]}"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with mounted_tmpfs(
+        tmp_path, "1m", "mounting a tmpfs needs root; the injected ENOSPC test covers this path"
+    ) as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_real_enospc_on_a_full_filesystem(make_store, small_fs: Path, caplog) -> None:
     store, tier = make_store(small_fs, cap=16 * SLOT, durability=Durability.SYNC)
     assert _put(store, [1, 2]).stored == 2
-    filler = small_fs / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-    try:  # take every byte left
-        while True:
-            os.write(fd, b"\xff" * 4096)
-    except OSError as exc:
-        assert exc.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
+    filler = fill(small_fs)  # take every byte left
     # The journal's last page still has room: store and delete until a record needs a new page.
     failed_at = None
     with caplog.at_level(logging.WARNING):
@@ -216,20 +197,6 @@ def test_real_enospc_on_a_full_filesystem(make_store, small_fs: Path, caplog) ->
     assert {1, 2, 1000} <= set(seen) and all(seen.values())
 
 
-def _fill(directory: Path) -> Path:
-    """Take every byte left on the filesystem of ``directory``; returns the filler file."""
-    filler = directory / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-    try:
-        while True:
-            os.write(fd, b"\xff" * 4096)
-    except OSError as exc:
-        assert exc.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
-    return filler
-
-
 def test_delete_on_a_full_disk_then_a_re_put_serves_the_new_value(
     make_store, small_fs: Path
 ) -> None:
@@ -240,7 +207,7 @@ def test_delete_on_a_full_disk_then_a_re_put_serves_the_new_value(
     k = key(1)
     assert _put(store, [1]).stored == 1  # slot 0
     assert _put(store, [2]).stored == 1  # slot 1, so a run of two cannot take slot 0
-    filler = _fill(small_fs)
+    filler = fill(small_fs)
     # The journal's last page may still have room: use it up with puts and deletes.
     for i in range(3, 400):
         if _put(store, [i]).failed:
@@ -308,7 +275,7 @@ def test_data_at_rest_is_private(make_store, tmp_path: Path) -> None:
 def test_a_restart_on_a_full_disk_resumes_the_journal(make_store, small_fs: Path) -> None:
     store, _ = make_store(small_fs, cap=16 * SLOT, durability=Durability.SYNC)
     assert _put(store, [1, 2, 3]).stored == 3
-    filler = _fill(small_fs)
+    filler = fill(small_fs)
     store.close()
     # No room for a new checkpoint: before the fix the tier refused to start (ConfigError).
     store, _ = make_store(small_fs, cap=16 * SLOT)
