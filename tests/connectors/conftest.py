@@ -85,6 +85,25 @@ def prompt(seed: int, n: int) -> list[int]:
     return [r.randrange(3, 1000) for _ in range(n)]
 
 
+def tiny_llm(model: str, transfer: dict[str, Any], **overrides: Any) -> Any:
+    """A vLLM engine on the tiny model with the settings every connector test shares
+    (safetensors load, token-id prompts, BLOCK-token blocks, eager, seed 0, no vLLM prefix cache);
+    ``overrides`` change or add engine arguments."""
+    from vllm import LLM
+
+    args: dict[str, Any] = {
+        "load_format": "safetensors",
+        "skip_tokenizer_init": True,
+        "block_size": BLOCK,
+        "max_model_len": 1024,
+        "max_num_seqs": 2,
+        "enable_prefix_caching": False,
+        "seed": 0,
+        "enforce_eager": True,
+    }
+    return LLM(model=model, kv_transfer_config=transfer, **{**args, **overrides})
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     from kvtier.bench.tiny_llama import write_tiny_llama
@@ -96,21 +115,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 def engine(tiny_model: str) -> Iterator[Engine]:
     saved = {k: os.environ.get(k) for k in ENV}
     os.environ.update(ENV)
-    from vllm import LLM
-
-    llm = LLM(
-        model=tiny_model,
-        load_format="safetensors",
-        skip_tokenizer_init=True,
-        block_size=BLOCK,
-        max_model_len=4096,
-        max_num_seqs=4,
-        # vLLM's own prefix cache off: every hit in these tests must come from kvtier.
-        enable_prefix_caching=False,
-        seed=0,
-        enforce_eager=True,
-        kv_transfer_config=kv_transfer_config(),
-    )
+    # vLLM's own prefix cache stays off (tiny_llm): every hit here must come from kvtier.
+    llm = tiny_llm(tiny_model, kv_transfer_config(), max_model_len=4096, max_num_seqs=4)
     try:
         yield Engine(llm)
     finally:

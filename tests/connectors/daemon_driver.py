@@ -48,21 +48,12 @@ def main(model: str, url: str, out_dir: str, mode: str) -> None:
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_CPU_OMP_THREADS_BIND="nobind",
     )
-    from vllm import LLM
+    from tests.connectors.conftest import Engine, kv_transfer_config, prompt, tiny_llm
 
-    from tests.connectors.conftest import BLOCK, Engine, kv_transfer_config, prompt
-
-    llm = LLM(
-        model=model,
-        load_format="safetensors",
-        skip_tokenizer_init=True,
-        block_size=BLOCK,
-        max_model_len=1024,
-        max_num_seqs=2,
+    llm = tiny_llm(
+        model,
+        kv_transfer_config(url=url, daemon_timeout_s=0.5),
         enable_prefix_caching=mode == "mp",
-        seed=0,
-        enforce_eager=True,
-        kv_transfer_config=kv_transfer_config(url=url, daemon_timeout_s=0.5),
     )
     eng = Engine(llm)
     out = Path(out_dir)

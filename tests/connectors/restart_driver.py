@@ -67,21 +67,11 @@ def main(model: str, nvme_dir: str, out_path: str, mode: str, tp: str = "1") -> 
         VLLM_CPU_KVCACHE_SPACE="1",
         VLLM_CPU_OMP_THREADS_BIND="nobind",
     )
-    from vllm import LLM
+    from tests.connectors.conftest import Engine, prompt, tiny_llm
 
-    from tests.connectors.conftest import BLOCK, Engine, prompt
-
-    llm = LLM(
-        model=model,
-        load_format="safetensors",
-        skip_tokenizer_init=True,
-        block_size=BLOCK,
-        max_model_len=1024,
-        max_num_seqs=2,
-        enable_prefix_caching=False,
-        seed=0,
-        enforce_eager=True,
-        kv_transfer_config=restart_config(nvme_dir),
+    llm = tiny_llm(
+        model,
+        restart_config(nvme_dir),
         tensor_parallel_size=int(tp),
         **({"distributed_executor_backend": "mp"} if int(tp) > 1 else {}),
     )
