@@ -224,7 +224,9 @@ class SameHost:
             link = self._connect()
         try:
             yield link
-        except SameHostDown:
+        except BaseException:
+            # Down, refused or interrupted mid-request: a link whose state is not known is
+            # closed here, not left to the garbage collector; the next call opens another.
             link.close()
             raise
         with self._lock:
