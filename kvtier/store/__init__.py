@@ -1,27 +1,16 @@
 """The tiered store and its policy contracts."""
 
+from kvtier.store import types
 from kvtier.store.policy import EvictionPolicy, LRUEviction, PlacementPolicy, WriteThrough
 from kvtier.store.store import Reservation, TieredStore
-from kvtier.store.types import (
-    EventKind,
-    GetResult,
-    LookupResult,
-    PutResult,
-    StoreEvent,
-    StoreStats,
-)
+from kvtier.store.types import *  # noqa: F403  (the values the store returns: types.__all__)
 
 __all__ = [
-    "EventKind",
     "EvictionPolicy",
-    "GetResult",
     "LRUEviction",
-    "LookupResult",
     "PlacementPolicy",
-    "PutResult",
     "Reservation",
-    "StoreEvent",
-    "StoreStats",
     "TieredStore",
     "WriteThrough",
+    *types.__all__,
 ]

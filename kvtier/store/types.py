@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
 
+# The package re-exports exactly these (kvtier/store/__init__.py): one list of the public values.
+__all__ = ["EventKind", "GetResult", "LookupResult", "PutResult", "StoreEvent", "StoreStats"]
+
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
