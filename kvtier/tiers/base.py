@@ -221,9 +221,7 @@ class Tier(ABC):
         """
         self._check(run, src)
         self._write(run, src)
-        with self._stat_lock:
-            self._bytes_written += run.nbytes
-            self._write_ops += 1
+        self.note_written(run.nbytes)
 
     def read(self, run: SlotRun, dst: memoryview) -> None:
         """Copy the run's values, packed, into ``dst``. Blocking.
