@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Generator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 import httpx
@@ -349,6 +349,17 @@ class Client(_Base[httpx.BaseTransport]):
                 log.warning("kvtier same-host channel failed, using HTTP: %s", exc)
         shm.close()
 
+    def _either(self, over_shm: Callable[[SameHost], T], over_http: Callable[[], T]) -> T:
+        """``over_shm`` through the same-host channel while it is up; else, or when the
+        channel fails under it, ``over_http`` (the channel is closed and retried later)."""
+        shm = self._same_host()
+        if shm is not None:
+            try:
+                return over_shm(shm)
+            except SameHostDown as exc:
+                self._shm_failed(shm, exc)
+        return over_http()
+
     @property
     def same_host_socket(self) -> str | None:
         """The daemon socket values go through now; None while they go through HTTP."""
@@ -375,16 +386,13 @@ class Client(_Base[httpx.BaseTransport]):
 
     def get(self, key: KeyLike) -> bytes | None:
         """One value, or None when the key is not present."""
-        shm = self._same_host()
-        if shm is not None:
+
+        def over_shm(shm: SameHost) -> bytes | None:
             buf = np.empty(shm.info.max_value_bytes, dtype=np.uint8)  # pages untouched
-            try:
-                got = shm.get_into([p.raw_key(key)], buf.data)
-            except SameHostDown as exc:
-                self._shm_failed(shm, exc)
-            else:
-                return buf[: got.nbytes].tobytes() if got.chunks else None
-        return self._run(p.op_get(key))
+            got = shm.get_into([p.raw_key(key)], buf.data)
+            return buf[: got.nbytes].tobytes() if got.chunks else None
+
+        return self._either(over_shm, lambda: self._run(p.op_get(key)))
 
     def exists(self, key: KeyLike) -> bool:
         if self._same_host() is not None:
@@ -393,37 +401,28 @@ class Client(_Base[httpx.BaseTransport]):
 
     def delete(self, key: KeyLike) -> bool:
         """Remove a key; True when it was present."""
-        shm = self._same_host()
-        if shm is not None:
-            try:
-                return shm.delete([p.raw_key(key)]) > 0
-            except SameHostDown as exc:
-                self._shm_failed(shm, exc)
-        return self._run(p.op_delete(key))
+        return self._either(
+            lambda shm: shm.delete([p.raw_key(key)]) > 0, lambda: self._run(p.op_delete(key))
+        )
 
     def lookup(self, keys: Sequence[KeyLike]) -> LookupResult:
         """Length of the leading run of present keys, and the tier of each hit."""
-        shm = self._same_host()
-        if shm is not None:
-            try:
-                return shm.lookup([p.raw_key(k) for k in keys])
-            except SameHostDown as exc:
-                self._shm_failed(shm, exc)
-        return self._run(self._lookup(keys))
+        return self._either(
+            lambda shm: shm.lookup([p.raw_key(k) for k in keys]),
+            lambda: self._run(self._lookup(keys)),
+        )
 
     def put_many(
         self, keys: Sequence[KeyLike], values: Sequence[bytes | bytearray | memoryview]
     ) -> PutResult:
         """Store values in as few batch requests as the limits allow."""
-        shm = self._same_host()
-        if shm is not None:
-            try:
-                return shm.put([p.raw_key(k) for k in keys], values)
-            except SameHostDown as exc:
-                self._shm_failed(shm, exc)
-        if len(keys) == 1 and len(values) == 1:
-            return self._run(p.op_put(keys[0], values[0]))
-        return self._run(self._put_many(keys, values))
+
+        def over_http() -> PutResult:
+            if len(keys) == 1 and len(values) == 1:
+                return self._run(p.op_put(keys[0], values[0]))
+            return self._run(self._put_many(keys, values))
+
+        return self._either(lambda shm: shm.put([p.raw_key(k) for k in keys], values), over_http)
 
     def get_many(self, keys: Sequence[KeyLike]) -> list[bytes]:
         """The values of the leading run of present keys."""
@@ -437,13 +436,10 @@ class Client(_Base[httpx.BaseTransport]):
         bytearray or any writable buffer.
         """
         dst = _writable(buffer)
-        shm = self._same_host()
-        if shm is not None:
-            try:
-                return shm.get_into([p.raw_key(k) for k in keys], dst)
-            except SameHostDown as exc:
-                self._shm_failed(shm, exc)
-        return self._run(p.op_get_into(keys, dst, self.batch_keys))
+        return self._either(
+            lambda shm: shm.get_into([p.raw_key(k) for k in keys], dst),
+            lambda: self._run(p.op_get_into(keys, dst, self.batch_keys)),
+        )
 
     def stats(self) -> dict[str, Any]:
         return self._run(p.op_stats())
