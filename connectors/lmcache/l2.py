@@ -28,7 +28,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
@@ -43,6 +43,8 @@ from kvtier.errors import ConfigError
 from .keys import object_key
 from .link import DaemonLink
 from .settings import params_settings
+
+R = TypeVar("R")
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,16 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache is u
         self._pool.submit(self._guard, fn, task_id, *args)
         return task_id
 
+    def _finish(self, done: dict[L2TaskId, R], efd: Any, task_id: L2TaskId, result: R) -> None:
+        """Record a task's result, then wake LMCache's controller on the kind's event fd."""
+        with self._lock:
+            done[task_id] = result
+        efd.notify()
+
+    def _take(self, done: dict[L2TaskId, R], task_id: L2TaskId) -> R | None:
+        with self._lock:
+            return done.pop(task_id, None)
+
     @staticmethod
     def _guard(fn: Callable[..., None], task_id: L2TaskId, *args: Any) -> None:
         try:
@@ -121,11 +133,9 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache is u
         finally:
             ok = res is not None and res.stored + res.present == len(keys)
             moved = sum(sizes) if ok and res is not None and res.stored else 0
-            with self._lock:
-                self._stores[task_id] = L2StoreResult(ok, moved)
             if ok:
                 self._notify_keys_stored(keys, sizes)
-            self._store_efd.notify()
+            self._finish(self._stores, self._store_efd, task_id, L2StoreResult(ok, moved))
 
     @override
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
@@ -149,14 +159,11 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache is u
             for i in range(self.link.hits([object_key(k) for k in keys])):
                 bitmap.set(i)
         finally:
-            with self._lock:
-                self._lookups[task_id] = bitmap
-            self._lookup_efd.notify()
+            self._finish(self._lookups, self._lookup_efd, task_id, bitmap)
 
     @override
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
-        with self._lock:
-            return self._lookups.pop(task_id, None)
+        return self._take(self._lookups, task_id)
 
     @override
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
@@ -181,14 +188,11 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache is u
         finally:
             if loaded:
                 self._notify_keys_accessed(loaded)
-            with self._lock:
-                self._loads[task_id] = bitmap
-            self._load_efd.notify()
+            self._finish(self._loads, self._load_efd, task_id, bitmap)
 
     @override
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
-        with self._lock:
-            return self._loads.pop(task_id, None)
+        return self._take(self._loads, task_id)
 
     # -- the rest -----------------------------------------------------------------------------
 
