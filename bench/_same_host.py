@@ -8,7 +8,7 @@ that one copy costs without a daemon: ``numpy.copyto`` of the same values betwee
 buffers of this process, on as many threads, in the same run, rounds interleaved.
 
 Rows: ``{op: same_host_get | same_host_put, value_bytes, concurrency, kvtier_GBps,
-memcpy_GBps, ratio_memcpy, p50_ms, p99_ms, memcpy_p50_ms}`` (medians over repeats).
+memcpy_GBps, ratio_memcpy, p50_ms, p99_ms, memcpy_p50_ms, memcpy_p99_ms}`` (medians over repeats).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def rows_for_size(
     pool: ThreadPoolExecutor,
 ) -> list[dict[str, Any]]:
     """Start a daemon whose slot is ``size``, then time get and put at each concurrency."""
-    from kvtier.bench.daemon import _pct, _stop, drive, start_kvtier
+    from kvtier.bench.daemon import _stop, drive, start_kvtier, versus
     from kvtier.service.client import Client
 
     url, proc = start_kvtier(tmp, "1GiB", max_value_bytes=size)
@@ -115,21 +115,12 @@ def rows_for_size(
                         c.delete(k)
             for op in ("get", "put"):
                 k_runs, m_runs = runs[(op, "kvtier")], runs[(op, "memcpy")]
-                k_gbps = statistics.median(r.GBps for r in k_runs)
-                m_gbps = statistics.median(r.GBps for r in m_runs)
-                k_lat = [x for r in k_runs for x in r.latencies_s]
-                m_lat = [x for r in m_runs for x in r.latencies_s]
                 rows.append(
                     {
                         "op": f"same_host_{op}",
                         "value_bytes": size,
                         "concurrency": conc,
-                        "kvtier_GBps": round(k_gbps, 4),
-                        "memcpy_GBps": round(m_gbps, 4),
-                        "ratio_memcpy": round(k_gbps / m_gbps, 3),
-                        "p50_ms": round(_pct(k_lat, 0.5) * 1e3, 3),
-                        "p99_ms": round(_pct(k_lat, 0.99) * 1e3, 3),
-                        "memcpy_p50_ms": round(_pct(m_lat, 0.5) * 1e3, 3),
+                        **versus(k_runs, m_runs, "memcpy", ratio_key="ratio_memcpy"),
                         "ops_per_run": n_ops,
                         "repeats": repeats,
                     }

@@ -208,6 +208,24 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
+def versus(k_runs: list[Run], b_runs: list[Run], base: str, ratio_key: str = "ratio") -> dict[str, Any]:
+    """kvtier's runs of one point against a baseline's: median GB/s of each, their ratio,
+    and the latency percentiles over every operation of every run."""
+    k_gbps = statistics.median(r.GBps for r in k_runs)
+    b_gbps = statistics.median(r.GBps for r in b_runs)
+    k_lat = [x for r in k_runs for x in r.latencies_s]
+    b_lat = [x for r in b_runs for x in r.latencies_s]
+    return {
+        "kvtier_GBps": round(k_gbps, 4),
+        f"{base}_GBps": round(b_gbps, 4),
+        ratio_key: round(k_gbps / b_gbps, 3),
+        "p50_ms": round(_pct(k_lat, 0.5) * 1e3, 3),
+        "p99_ms": round(_pct(k_lat, 0.99) * 1e3, 3),
+        f"{base}_p50_ms": round(_pct(b_lat, 0.5) * 1e3, 3),
+        f"{base}_p99_ms": round(_pct(b_lat, 0.99) * 1e3, 3),
+    }
+
+
 class Contender:
     """put/get of one system, with the key naming that keeps repeats independent."""
 
@@ -375,23 +393,13 @@ def bench_point(
         for op in ("get", "put"):
             k_runs, r_runs = results[(op, "kvtier")], results[(op, "redis")]
             name = f"batch_{op}" if batch > 1 else op
-            k_gbps = statistics.median(r.GBps for r in k_runs)
-            r_gbps = statistics.median(r.GBps for r in r_runs)
-            k_lat = [x for r in k_runs for x in r.latencies_s]
-            r_lat = [x for r in r_runs for x in r.latencies_s]
             rows.append(
                 {
                     "op": name,
                     "value_bytes": size,
                     "batch": batch,
                     "concurrency": concurrency,
-                    "kvtier_GBps": round(k_gbps, 4),
-                    "redis_GBps": round(r_gbps, 4),
-                    "ratio": round(k_gbps / r_gbps, 3),
-                    "p50_ms": round(_pct(k_lat, 0.5) * 1e3, 3),
-                    "p99_ms": round(_pct(k_lat, 0.99) * 1e3, 3),
-                    "redis_p50_ms": round(_pct(r_lat, 0.5) * 1e3, 3),
-                    "redis_p99_ms": round(_pct(r_lat, 0.99) * 1e3, 3),
+                    **versus(k_runs, r_runs, "redis"),
                     "kvtier_GBps_min_max": [
                         round(min(r.GBps for r in k_runs), 4),
                         round(max(r.GBps for r in k_runs), 4),
