@@ -4,6 +4,7 @@ See :mod:`kvtier.tiers.redis.tier`. Importing this package does not import redis
 building a tier does.
 """
 
-from kvtier.tiers.redis.tier import Options, RedisTier, create
+from kvtier.tiers.redis.options import Options
+from kvtier.tiers.redis.tier import RedisTier, create
 
 __all__ = ["Options", "RedisTier", "create"]

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 from kvtier.errors import ConfigError, PluginError
+from kvtier.tiers.redis.options import Options
 from kvtier.tiers.redis.wire import Framed
 
 if TYPE_CHECKING:
@@ -220,26 +221,12 @@ class Nodes:
     """The Redis servers behind one tier, and parallel per-node execution.
 
     Args:
-        url: ``redis://host:port/db`` of a single server (ignored in cluster mode).
-        cluster_nodes: ``host:port`` seeds of a Redis Cluster; non-empty selects it.
-        connect_timeout_s / socket_timeout_s: bounds on one connect and one socket wait.
-        backoff_min_s / backoff_max_s: the breaker's reconnect backoff.
-        threads: the fan-out pool (parallel per-node parts of one batch).
-        streams: connections one node's part of a batch is spread over.
+        opts: the tier's options; the pool reads ``url`` or ``cluster_nodes``, the
+            connect and socket timeouts, the breaker's backoff, ``fanout_threads`` and
+            ``streams_per_node``.
     """
 
-    def __init__(
-        self,
-        *,
-        url: str,
-        cluster_nodes: Sequence[str],
-        connect_timeout_s: float,
-        socket_timeout_s: float,
-        backoff_min_s: float,
-        backoff_max_s: float,
-        threads: int,
-        streams: int = 1,
-    ) -> None:
+    def __init__(self, opts: Options) -> None:
         try:
             import redis
             from redis.backoff import NoBackoff
@@ -250,23 +237,24 @@ class Nodes:
             ) from exc
         self._redis = redis
         self._kwargs: dict[str, Any] = {
-            "socket_timeout": socket_timeout_s,
-            "socket_connect_timeout": connect_timeout_s,
+            "socket_timeout": opts.socket_timeout_s,
+            "socket_connect_timeout": opts.connect_timeout_s,
             # Retries would wait past the op budget; the breaker does the backing off.
             "retry": Retry(NoBackoff(), 0),
         }
         self._packer = FramedPacker()
         self._clients: dict[str, Any] = {}  # cluster mode: node name -> our own client
-        self._lo, self._hi = backoff_min_s, backoff_max_s
-        self._streams = streams
-        self._cluster_seeds = [_host_port(s, "cluster_nodes") for s in cluster_nodes]
+        self._lo, self._hi = opts.backoff_min_s, opts.backoff_max_s
+        self._streams = opts.streams_per_node
+        self._cluster_seeds = [_host_port(s, "cluster_nodes") for s in opts.cluster_nodes]
         self._single: redis.Redis | None = None
         self._cluster: Any = None  # redis.RedisCluster, built lazily (the cluster may be down)
-        self._cluster_breaker = _Breaker("cluster-seeds", backoff_min_s, backoff_max_s)
+        self._cluster_breaker = _Breaker("cluster-seeds", self._lo, self._hi)
         self._refreshing = threading.Lock()
         self._breakers: dict[str, _Breaker] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtier-redis")
+        self._pool = ThreadPoolExecutor(opts.fanout_threads, thread_name_prefix="kvtier-redis")
+        url = opts.url
         if not self._cluster_seeds:
             parts = urlsplit(url)
             if parts.scheme not in ("redis", "rediss", "unix"):
