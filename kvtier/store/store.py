@@ -35,6 +35,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -476,6 +477,7 @@ class TieredStore:
             raise ClosedError("the store is closed")
 
 
+@dataclass(eq=False)
 class Reservation:
     """One slot reserved by :meth:`TieredStore.reserve`, filled in place by its owner.
 
@@ -484,13 +486,12 @@ class Reservation:
     thread. The view points into the tier's memory: never use it after commit or abort.
     """
 
-    def __init__(self, store: TieredStore, key: ChunkKey, tier: int, offset: int, view: memoryview):
-        self._store = store
-        self.key = key
-        self.tier = tier
-        self._offset = offset
-        self.view = view
-        self._open = True
+    _store: TieredStore = field(repr=False)
+    key: ChunkKey
+    tier: int
+    _offset: int
+    view: memoryview = field(repr=False)
+    _open: bool = field(default=True, init=False)
 
     def commit(self) -> PutResult:
         """Index the chunk (its value is what :attr:`view` holds now). Never blocks on I/O."""
