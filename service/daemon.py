@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -32,12 +32,28 @@ from .metrics import RequestMetrics, TenantCounters
 from .schemas import KEY_PATTERN
 from .tenants import Authenticator, KeyMapper, Tenant, load_or_create_salt
 
-if TYPE_CHECKING:
-    from .shm import SameHostServer
-
 log = logging.getLogger(__name__)
 
 _KEY_RE = re.compile(KEY_PATTERN)
+
+
+class Exposition(Protocol):
+    def exposition(self) -> list[str]:
+        """Prometheus text lines."""
+        ...
+
+
+class SideChannel(Protocol):
+    """What the daemon's state and routes use of its same-host channel
+    (:class:`~kvtier.service.shm.SameHostServer`, which imports this module)."""
+
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def metrics(self) -> Exposition: ...
+
+    def close(self, timeout_s: float) -> None: ...
 INLINE_GET_BYTES = 4 << 20
 """Largest memory hit a GET copies on the event loop (a 4 MiB memcpy is ~0.5 ms)."""
 T = TypeVar("T")
@@ -76,7 +92,7 @@ class Daemon:
         self.tenants = TenantCounters()
         self.ready = False
         # The same-host channel (shared memory), started and stopped by the app's lifespan.
-        self.same_host: SameHostServer | None = None
+        self.same_host: SideChannel | None = None
         # Store calls that may block (a shared tier's round trip bounded by its budget, a
         # sync journal commit) run here, never on the event loop: a hung Redis must not
         # stall /healthz or the requests that do not need it.
