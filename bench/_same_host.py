@@ -7,7 +7,7 @@ copies each value once, between that memory and its host tier. The baseline is w
 that one copy costs without a daemon: ``numpy.copyto`` of the same values between two
 buffers of this process, on as many threads, in the same run, rounds interleaved.
 
-Rows: ``{op: same_host_get | same_host_put, value_bytes, concurrency, kvtier_GBps,
+Rows: ``{op: same_host_get | same_host_put, value_bytes, batch, concurrency, kvtier_GBps,
 memcpy_GBps, ratio_memcpy, p50_ms, p99_ms, memcpy_p50_ms, memcpy_p99_ms}`` (medians over repeats).
 """
 
@@ -38,8 +38,14 @@ def rows_for_size(
     target_bytes: int,
     repeats: int,
     pool: ThreadPoolExecutor,
+    batch: int = 1,
 ) -> list[dict[str, Any]]:
-    """Start a daemon whose slot is ``size``, then time get and put at each concurrency."""
+    """Start a daemon whose slot is ``size``, then time get and put at each concurrency.
+
+    ``batch`` values per request (``get_into``/``put_many`` of consecutive keys, as the
+    vLLM connector asks for a sequence's chunks); the baseline copies the same bytes
+    in one ``numpy.copyto``.
+    """
     from kvtier.bench.daemon import _stop, drive, start_kvtier, versus
     from kvtier.service.client import Client
 
@@ -50,55 +56,65 @@ def rows_for_size(
         if c.same_host_socket is None:
             raise RuntimeError("the daemon's same-host channel is not in use")
         rng = np.random.default_rng(0)
-        src = c.shared_buffer(POOL_VALUES * size)
+        pool_values = max(POOL_VALUES, batch)
+        src = c.shared_buffer(pool_values * size)
         src[:] = rng.integers(0, 256, src.size, dtype=np.uint8)
-        values = [src[i * size : (i + 1) * size] for i in range(POOL_VALUES)]
-        n_keys = max(POOL_VALUES, min(64, 256 * MiB // size))
+        values = [src[i * size : (i + 1) * size] for i in range(pool_values)]
+        n_keys = max(pool_values, min(64, 256 * MiB // size))
+        n_keys -= n_keys % batch  # whole groups of ``batch`` keys
+        groups = n_keys // batch
+        step = batch * size
         keys = [os.urandom(16) for _ in range(n_keys)]
-        res = c.put_many(keys, [values[i % POOL_VALUES].data for i in range(n_keys)])
+        res = c.put_many(keys, [values[i % pool_values].data for i in range(n_keys)])
         if res.stored != n_keys:
             raise RuntimeError(f"working set not stored: {res}")
         check = c.shared_buffer(size)
         for i, k in enumerate(keys):  # every byte verified once
             if c.get_into([k], check).nbytes != size or not np.array_equal(
-                check, values[i % POOL_VALUES]
+                check, values[i % pool_values]
             ):
                 raise RuntimeError("same-host get returned wrong bytes")
         # The baseline's destination: a ring larger than the caches, like the tier's arena.
-        ring = np.ones((max(4, 64 * MiB // size), size), dtype=np.uint8)
+        ring = np.ones((max(4, 64 * MiB // step), step), dtype=np.uint8)
         local = threading.local()
 
         def dst() -> Any:
             buf = getattr(local, "buf", None)
             if buf is None:
-                buf = local.buf = c.shared_buffer(size)
+                buf = local.buf = c.shared_buffer(step)
             return buf
 
         def k_get(i: int) -> int:
-            got = c.get_into([keys[i % n_keys]], dst())
-            if got.nbytes != size:
+            g = i % groups
+            got = c.get_into(keys[g * batch : (g + 1) * batch], dst())
+            if got.nbytes != step:
                 raise RuntimeError("same-host get missed")
-            return size
+            return step
 
         def m_get(i: int) -> int:
             np.copyto(dst(), ring[i % len(ring)])
-            return size
+            return step
 
         def m_put(i: int) -> int:
-            np.copyto(ring[i % len(ring)], values[i % POOL_VALUES])
-            return size
+            np.copyto(ring[i % len(ring)], src[:step])
+            return step
 
         for conc in concs:
-            n_ops = max(4 * conc, target_bytes // size)
+            n_ops = max(4 * conc, target_bytes // step)
             runs: dict[tuple[str, str], list[Any]] = {}
             for rep in range(repeats + 1):  # the first round is a warm-up
-                fresh = [os.urandom(16) for _ in range(n_ops)]
+                fresh = [os.urandom(16) for _ in range(n_ops * batch)]
 
                 def k_put(i: int, fresh: list[bytes] = fresh) -> int:
-                    r = c.put(fresh[i], values[i % POOL_VALUES].data)
-                    if r.stored != 1:
+                    if batch == 1:
+                        r = c.put(fresh[i], values[i % pool_values].data)
+                    else:
+                        r = c.put_many(
+                            fresh[i * batch : (i + 1) * batch], [v.data for v in values[:batch]]
+                        )
+                    if r.stored != batch:
                         raise RuntimeError(f"same-host put not stored: {r}")
-                    return size
+                    return step
 
                 order: list[tuple[str, str, Callable[[int], int]]] = [
                     ("get", "kvtier", k_get),
@@ -110,15 +126,15 @@ def rows_for_size(
                     run = drive(fn, n_ops, conc, pool)
                     if rep:
                         runs.setdefault((op, who), []).append(run)
-                for lo in range(0, n_ops, 512):  # untimed: the tier never fills up
-                    for k in fresh[lo : lo + 512]:
-                        c.delete(k)
+                for k in fresh:  # untimed: the tier never fills up
+                    c.delete(k)
             for op in ("get", "put"):
                 k_runs, m_runs = runs[(op, "kvtier")], runs[(op, "memcpy")]
                 rows.append(
                     {
                         "op": f"same_host_{op}",
                         "value_bytes": size,
+                        "batch": batch,
                         "concurrency": conc,
                         **versus(k_runs, m_runs, "memcpy", ratio_key="ratio_memcpy"),
                         "ops_per_run": n_ops,
@@ -133,14 +149,14 @@ def rows_for_size(
 
 def line(r: dict[str, Any]) -> str:
     return (
-        f"{r['op']:14} {r['value_bytes'] // MiB:>4}Mi {r['concurrency']:>4} "
+        f"{r['op']:14} {r['value_bytes'] // MiB:>4}Mi {r.get('batch', 1):>5} {r['concurrency']:>4} "
         f"{r['kvtier_GBps']:>11.3f} {r['memcpy_GBps']:>10.3f} {r['ratio_memcpy']:>6.2f} "
         f"{r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['memcpy_p50_ms']:>10.3f}"
     )
 
 
 HEADER = (
-    f"{'op':14} {'value':>6} {'conc':>4} {'kvtier GB/s':>11} {'memcpy GB/s':>10} {'ratio':>6} "
+    f"{'op':14} {'value':>6} {'batch':>5} {'conc':>4} {'kvtier GB/s':>11} {'memcpy GB/s':>10} {'ratio':>6} "
     f"{'p50 ms':>8} {'p99 ms':>8} {'memcpy p50':>10}"
 )
 

@@ -556,7 +556,8 @@ def main(argv: list[str]) -> int:
         "--batch",
         type=int,
         default=1,
-        help="values per request: >1 compares get_into/put_many with MGET/MSET",
+        help="values per request: >1 compares get_into/put_many with MGET/MSET over HTTP, "
+        "and with one memcpy of the same bytes over the same-host channel",
     )
     args = ap.parse_args(argv)
     repeats = args.repeats or (5 if args.full else 2)
@@ -612,6 +613,7 @@ def main(argv: list[str]) -> int:
                         target_bytes=target,
                         repeats=repeats,
                         pool=pool,
+                        batch=args.batch,
                     ):
                         sh_rows.append(row)
                         print(same_host.line(row), flush=True)
