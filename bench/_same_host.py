@@ -14,8 +14,12 @@ memcpy_GBps, ratio_memcpy, p50_ms, p99_ms, memcpy_p50_ms, memcpy_p99_ms}`` (medi
 from __future__ import annotations
 
 import os
+import socket
 import statistics
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -74,6 +78,14 @@ def rows_for_size(
                 check, values[i % pool_values]
             ):
                 raise RuntimeError("same-host get returned wrong bytes")
+        # A request's fixed cost: one same-host round trip that moves no bytes.
+        probe = [keys[0]]
+        lat = []
+        for _ in range(500):
+            t0 = time.perf_counter()
+            c.lookup(probe)
+            lat.append(time.perf_counter() - t0)
+        lookup_us = round(statistics.median(lat[50:]) * 1e6, 1)
         # The baseline's destination: a ring larger than the caches, like the tier's arena.
         ring = np.ones((max(4, 64 * MiB // step), step), dtype=np.uint8)
         local = threading.local()
@@ -137,6 +149,7 @@ def rows_for_size(
                         "batch": batch,
                         "concurrency": conc,
                         **versus(k_runs, m_runs, "memcpy", ratio_key="ratio_memcpy"),
+                        "lookup_round_trip_us": lookup_us,
                         "ops_per_run": n_ops,
                         "repeats": repeats,
                     }
@@ -161,9 +174,31 @@ HEADER = (
 )
 
 
+def socket_floor_us(n: int = 2000) -> float:
+    """Median round trip of a 48-byte message to another Python process and back over a
+    Unix seqpacket socket: the least any same-host request can cost on this machine (two
+    process wake-ups), measured in the same run as the rows."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    echo = "import socket,sys\ns=socket.socket(fileno=int(sys.argv[1]))\nwhile m:=s.recv(4096): s.send(m)"
+    child = subprocess.Popen([sys.executable, "-c", echo, str(b.fileno())], pass_fds=[b.fileno()])
+    b.close()
+    lat = []
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            a.send(b"x" * 48)
+            a.recv(4096)
+            lat.append(time.perf_counter() - t0)
+    finally:
+        a.close()
+        child.wait(10)
+    return round(statistics.median(lat[n // 10 :]) * 1e6, 1)
+
+
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     ratios = [r["ratio_memcpy"] for r in rows]
     return {
+        "socket_round_trip_floor_us": socket_floor_us() if rows else None,
         "target_ratio": TARGET_RATIO,
         "min_ratio": min(ratios) if ratios else None,
         "median_ratio": statistics.median(ratios) if ratios else None,
