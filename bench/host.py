@@ -74,29 +74,50 @@ def cache_flusher() -> tuple[Callable[[], object], int]:
     return flush, nbytes
 
 
-def fixed_costs(store: TieredStore, inline: TieredStore, rounds: int) -> list[dict[str, Any]]:
-    """Median microseconds of one put, get and delete of a 4 KiB value, per store."""
+def _timed(before: Callable[[], object] | None, op: Callable[..., object], *args: Any) -> float:
+    if before is not None:
+        before()
+    t0 = time.perf_counter()
+    op(*args)
+    return time.perf_counter() - t0
+
+
+def fixed_costs(
+    store: TieredStore,
+    inline: TieredStore,
+    rounds: int,
+    flush: Callable[[], object] | None = None,
+) -> list[dict[str, Any]]:
+    """Median microseconds of one put, get and delete of a 4 KiB value, per store; with
+    ``flush``, also inline with the caches evicted before each operation (``cold``: what
+    the store's own code costs when its objects come back from memory, as after a large
+    copy)."""
     src = np.random.default_rng(1).integers(0, 256, size=4096, dtype=np.uint8)
     dst = np.empty_like(src)
     times: dict[tuple[str, str], list[float]] = {}
+    ways: list[tuple[str, TieredStore, Callable[[], object] | None]] = [
+        ("io_thread", store, None),
+        ("inline", inline, None),
+    ]
+    if flush is not None:
+        ways.append(("inline_cold", inline, flush))
     for r in range(rounds + 20):
-        for name, st in (("io_thread", store), ("inline", inline)):
+        for name, st, before in ways:
             key = [ChunkKey(b"fixedcst" + r.to_bytes(8, "little"))]
-            t0 = time.perf_counter()
-            st.put(key, src).result()
-            t1 = time.perf_counter()
-            st.get(key, dst).result()
-            t2 = time.perf_counter()
-            st.delete(key)
-            t3 = time.perf_counter()
+            dts = [
+                _timed(before, lambda s, k: s.put(k, src).result(), st, key),
+                _timed(before, lambda s, k: s.get(k, dst).result(), st, key),
+                _timed(before, lambda s, k: s.delete(k), st, key),
+            ]
             if r < 20:  # warm-up
                 continue
-            for op, dt in (("put", t1 - t0), ("get", t2 - t1), ("delete", t3 - t2)):
-                times.setdefault((op, name), []).append(dt)
+            for op_name, dt in zip(("put", "get", "delete"), dts, strict=True):
+                times.setdefault((op_name, name), []).append(dt)
     rows = []
     for op in ("put", "get", "delete"):
         thread_us = statistics.median(times[(op, "io_thread")]) * 1e6
         inline_us = statistics.median(times[(op, "inline")]) * 1e6
+        cold = times.get((op, "inline_cold"))
         rows.append(
             {
                 "op": op,
@@ -104,6 +125,7 @@ def fixed_costs(store: TieredStore, inline: TieredStore, rounds: int) -> list[di
                 "io_thread_us": thread_us,
                 "inline_us": inline_us,
                 "handoff_us": thread_us - inline_us,
+                "inline_cold_us": statistics.median(cold) * 1e6 if cold else None,
             }
         )
     return rows
@@ -260,7 +282,7 @@ def main(argv: list[str]) -> int:
             size_rows, size_ok = one_size(store, big, rng, mib, args.repeat, flush)
             rows.extend(size_rows)
             ok &= size_ok
-        fixed = fixed_costs(store, inline, args.fixed_rounds)
+        fixed = fixed_costs(store, inline, args.fixed_rounds, flush)
     finally:
         store.close()
         inline.close()
@@ -281,10 +303,11 @@ def main(argv: list[str]) -> int:
     print(
         f"fixed cost of one operation, 4 KiB value (median of {args.fixed_rounds}), microseconds:"
     )
-    print(f"{'op':<7} {'I/O thread':>10} {'inline':>7} {'hand-off':>9}")
+    print(f"{'op':<7} {'I/O thread':>10} {'inline':>7} {'hand-off':>9} {'inline, cold caches':>20}")
     for f in fixed:
+        cold = f"{f['inline_cold_us']:>20.1f}" if f["inline_cold_us"] is not None else f"{'-':>20}"
         print(
-            f"{f['op']:<7} {f['io_thread_us']:>10.1f} {f['inline_us']:>7.1f} {f['handoff_us']:>9.1f}"
+            f"{f['op']:<7} {f['io_thread_us']:>10.1f} {f['inline_us']:>7.1f} {f['handoff_us']:>9.1f} {cold}"
         )
     print(
         f"bytes verified: {ok}; worst ratio {worst:.2f} (target >= 0.8: {'PASS' if worst >= 0.8 else 'MISS'})"
