@@ -1,4 +1,4 @@
-"""A pure-ASGI fast path for the hottest routes: GET and PUT of one chunk.
+"""A pure-ASGI fast path for the hottest routes: GET and PUT of one chunk, batch get.
 
 FastAPI's dependency solving and validation cost about a millisecond of CPU per
 request on a loaded 2-core host, more than moving a 256 KiB value. This layer answers
@@ -9,6 +9,11 @@ bad key, a chunked upload, a body over the limit) falls through untouched to the
 FastAPI routes, which own the OpenAPI document. The fast path never reads a body it then
 passes on, and answers errors through the same mapping as the routes
 (:func:`kvtier.service.errors.reply_for`): an ``InputError`` is a 400 here as there.
+
+``POST /v1/batch/get`` with a JSON body that is exactly ``{"keys": [32-hex, ...]}`` is
+answered here too (by :meth:`~kvtier.service.daemon.Daemon.batch_get`, which the route
+also calls); the gate has already bounded that body. Any other body is handed on, as
+read, to the FastAPI route, which answers it (validation errors included) as before.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 import numpy as np
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvtier.store.types import PutResult
 
@@ -27,18 +32,23 @@ from .daemon import Daemon
 from .errors import reply_for, send_error
 from .headlimit import BODY_INTO, BodyInto
 from .limits import BODY_BYTES, TENANT
+from .schemas import KEY_PATTERN
 
 _CHUNK_PATH = re.compile(r"/v1/chunks/([0-9a-fA-F]{32})")
+_KEY = re.compile(KEY_PATTERN)
+BATCH_GET = "/v1/batch/get"
 OCTET = b"application/octet-stream"
 
 
 class _Route:
     """Stands in for the matched route, so metrics label fast-path requests alike."""
 
-    path = "/v1/chunks/{key}"
+    def __init__(self, path: str) -> None:
+        self.path = path
 
 
-_ROUTE = _Route()
+_ROUTE = _Route("/v1/chunks/{key}")
+_BATCH_ROUTE = _Route(BATCH_GET)
 
 
 class FastPath:
@@ -62,7 +72,23 @@ class FastPath:
                         self._put(scope, tenant, m.group(1), length, receive, send), send
                     )
                     return
+        elif scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == BATCH_GET:
+            tenant = scope.get(TENANT)
+            headers = dict(scope["headers"])
+            if tenant is not None and headers.get(b"content-type") == b"application/json":
+                body = await _receive_all(receive)
+                if body is None:
+                    return  # the client went away mid-body: nobody to answer
+                keys = _batch_keys(body)
+                if keys is not None:
+                    scope["route"] = _BATCH_ROUTE
+                    await self._answer(self._batch_get(scope, tenant, keys, send), send)
+                    return
+                receive = _replay(body, receive)
         await self.app(scope, receive, send)
+
+    async def _batch_get(self, scope: Scope, tenant: Any, keys: list[str], send: Send) -> None:
+        await _respond(send, 200, OCTET, await self.d.batch_get(tenant, keys, scope))
 
     @staticmethod
     async def _answer(work: Coroutine[Any, Any, None], send: Send) -> None:
@@ -132,6 +158,50 @@ async def _receive_into(view: memoryview, receive: Receive) -> int:
         pos += len(piece)
         more = msg.get("more_body", False)
     return pos if pos == view.nbytes else -1
+
+
+async def _receive_all(receive: Receive) -> bytes | None:
+    """The whole body (the gate bounds its length), or None when the client went away."""
+    parts: list[bytes] = []
+    more = True
+    while more:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return None
+        parts.append(msg.get("body", b""))
+        more = msg.get("more_body", False)
+    return b"".join(parts)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that gives ``body`` (already read) once, then what ``receive`` gives."""
+    given = False
+
+    async def again() -> Message:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return again
+
+
+def _batch_keys(body: bytes) -> list[str] | None:
+    """The keys of a ``{"keys": [...]}`` body of well-formed keys; None for anything else
+    (the route then answers it, with the errors it always gave)."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or doc.keys() != {"keys"}:
+        return None
+    keys = doc["keys"]
+    if not isinstance(keys, list) or not all(
+        isinstance(k, str) and _KEY.fullmatch(k) for k in keys
+    ):
+        return None
+    return keys
 
 
 async def _bad_length(send: Send, got: int) -> None:

@@ -6,12 +6,10 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any
 
-import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from kvtier.errors import InputError
-from kvtier.keys import ChunkKey
 from kvtier.store.types import PutResult
 
 from .. import wire
@@ -49,44 +47,7 @@ def router(d: Daemon) -> APIRouter:
         },
     )
     async def batch_get(req: KeysRequest, request: Request, t: TenantDep) -> Response:
-        ikeys = d.keys(t, req.keys)
-        hit = await d.lookup(ikeys)
-        lim = d.limits
-        # The response is capped at max_body_bytes; the TRUNCATED flag says more may follow.
-        # The buffer is sized to the hits' lengths, and taken from the in-flight budget.
-        n, room = 0, lim.max_body_bytes - wire.table_bytes(hit.hits)
-        for size in hit.value_bytes:
-            if n and size > room:
-                break
-            room -= size
-            n += 1
-        start = wire.table_bytes(n)
-        payload = sum(hit.value_bytes[:n])
-        d.budget.hold(request.scope, start + payload)
-        buf = np.empty(start + payload, dtype=np.uint8)
-        view = buf.data
-        chunks, nbytes, lengths = 0, 0, ()
-        if n:
-            try:
-                res = await _wait(d.store.get(ikeys[:n], view[start:]))
-                chunks, nbytes, lengths = res.chunks, res.nbytes, res.value_bytes
-            except InputError:
-                # A key evicted and stored again with another length since the lookup:
-                # the run no longer fits its buffer. Answer the misses that it now is.
-                pass
-        # Keys evicted between lookup and get shorten the run; the table then has gaps
-        # before the payload, which payload_offset allows.
-        flags = wire.FLAG_TRUNCATED if chunks == n < hit.hits else 0
-        wire.write_header(view, chunks, start, flags)
-        wire.write_table(view, [ChunkKey(bytes.fromhex(k)) for k in req.keys[:chunks]], lengths)
-        d.tenants.add(
-            t.name,
-            get_chunks=chunks,
-            get_bytes=nbytes,
-            lookup_hit_chunks=chunks,
-            lookup_miss_chunks=len(req.keys) - chunks,
-        )
-        return Response(view[: start + nbytes], media_type=OCTET)
+        return Response(await d.batch_get(t, req.keys, request.scope), media_type=OCTET)
 
     @api.post(
         "/v1/batch/put",

@@ -75,6 +75,9 @@ def test_batch_put_then_batch_get_returns_the_same_bytes(http: httpx.Client) -> 
     assert [k.hex() for k in batch.keys] == ks[:4]
     assert [bytes(batch.value(i)) for i in range(4)] == vals[:4]
     assert not batch.truncated
+    # Answered by the fast path, counted under the route's own label.
+    text = http.get("/metrics").text
+    assert 'kvtier_http_requests_total{route="/v1/batch/get",method="POST",status="200"}' in text
 
 
 def test_batch_get_of_nothing_present_is_an_empty_batch(http: httpx.Client) -> None:
@@ -96,6 +99,21 @@ def test_batch_get_of_nothing_present_is_an_empty_batch(http: httpx.Client) -> N
         (
             "POST",
             "/v1/lookup",
+            {"content": b"{not json", "headers": {"content-type": "application/json"}},
+            422,
+            "invalid_request",
+        ),
+        # Batch get: the fast path answers plain key lists; every other body reaches the
+        # route, which answers it as before the fast path took that route.
+        ("POST", "/v1/batch/get", {"json": {"keys": ["xyz"]}}, 422, "invalid_request"),
+        ("POST", "/v1/batch/get", {"json": {"keys": ["0" * 32 + "\n"]}}, 422, "invalid_request"),
+        ("POST", "/v1/batch/get", {"json": {"keys": ["0" * 32] * 1025}}, 413, "batch_too_large"),
+        ("POST", "/v1/batch/get", {"json": {"keys": [], "more": 1}}, 422, "invalid_request"),
+        ("POST", "/v1/batch/get", {"json": {"keys": "0" * 32}}, 422, "invalid_request"),
+        ("POST", "/v1/batch/get", {"json": [["0" * 32]]}, 422, "invalid_request"),
+        (
+            "POST",
+            "/v1/batch/get",
             {"content": b"{not json", "headers": {"content-type": "application/json"}},
             422,
             "invalid_request",

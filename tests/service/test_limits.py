@@ -80,7 +80,7 @@ def test_fast_path_get_of_a_value_over_the_current_limit_is_a_400_not_a_500(
             r = h.get(f"/v1/chunks/{k}")  # the fast path: 500 before the fix
             assert r.status_code == 400, r.text
             assert r.json()["code"] == "bad_input"
-            r = h.post("/v1/batch/get", json={"keys": [k]})  # the FastAPI route: the same
+            r = h.post("/v1/batch/get", json={"keys": [k]})  # the batch get: the same
             assert r.status_code in (200, 400), r.text
 
 
