@@ -301,9 +301,8 @@ class Client(_Base[httpx.BaseTransport]):
             parts = call.content if isinstance(call.content, list) else [call.content]
             body = [memoryview(x) for x in parts]
             head += _OCTET_LINE
-        sink = call.sink.feed if call.sink is not None else None
-        status, headers, data = raw.request(call.method, call.path, head, body, sink)
-        if sink is not None and status == 200:
+        status, headers, data = raw.request(call.method, call.path, head, body, call.sink)
+        if call.sink is not None and status == 200:
             return Reply(200, b"")
         return _parsed(status, data, headers.get("content-type", ""))
 

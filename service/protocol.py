@@ -131,6 +131,19 @@ class BatchSink:
         self._parsed = True
         self._write(memoryview(self._head)[payload_offset:])
 
+    def window(self, nbytes: int) -> memoryview | None:
+        """Where the next up to ``nbytes`` payload bytes go in ``dst``, to be received in
+        place (then :meth:`wrote`); None before the table is parsed or once every kept
+        value is in."""
+        if not self._parsed:
+            return None
+        take = min(nbytes, self._need - self._got)
+        return self.dst[self.pos : self.pos + take] if take > 0 else None
+
+    def wrote(self, nbytes: int) -> None:
+        self.pos += nbytes
+        self._got += nbytes
+
     def _write(self, data: memoryview) -> None:
         take = min(data.nbytes, self._need - self._got)
         if take > 0:

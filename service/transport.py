@@ -20,13 +20,27 @@ from __future__ import annotations
 import http.client
 import queue
 import socket
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import httpx
 
 _READ_PIECE = 4 * 1024 * 1024
 
+
+
+class Sink(Protocol):
+    """Takes a 200 body as it arrives (:class:`~kvtier.service.protocol.BatchSink`)."""
+
+    def feed(self, data: bytes) -> None:
+        """The next piece of the body."""
+
+    def window(self, nbytes: int) -> memoryview | None:
+        """Where up to ``nbytes`` of the next body bytes may be received in place (then
+        report them with :meth:`wrote`), or None to take them through :meth:`feed`."""
+
+    def wrote(self, nbytes: int) -> None:
+        """``nbytes`` were received into the last :meth:`window`."""
 
 class _Conn(http.client.HTTPConnection):
     def connect(self) -> None:
@@ -220,7 +234,7 @@ class RawHTTP:
         path: str,
         headers: bytes,
         body: list[memoryview],
-        sink: Callable[[bytes], None] | None = None,
+        sink: Sink | None = None,
     ) -> tuple[int, dict[str, str], bytes]:
         """Send one request, return (status, headers, body); with ``sink``, a 200 body
         is fed to it piece by piece instead (and the returned body is empty).
@@ -272,7 +286,7 @@ class RawHTTP:
         sock: socket.socket,
         method: str,
         parts: list[memoryview],
-        sink: Callable[[bytes], None] | None,
+        sink: Sink | None,
     ) -> tuple[int, dict[str, str], bytes]:
         try:
             _send_all(sock, parts)
@@ -368,15 +382,25 @@ def _read_exact(sock: socket.socket, rest: bytes, length: int) -> bytes:
     return bytes(buf)
 
 
-def _feed(sock: socket.socket, rest: bytes, length: int, sink: Callable[[bytes], None]) -> None:
+def _feed(sock: socket.socket, rest: bytes, length: int, sink: Sink) -> None:
     if rest:
-        sink(rest[:length])
+        sink.feed(rest[:length])
     left = length - len(rest)
     while left > 0:
+        # Values go from the socket straight into the caller's buffer (one copy); the
+        # head, and bytes the sink does not keep, go through feed.
+        window = sink.window(min(left, _READ_PIECE))
+        if window is not None:
+            n = sock.recv_into(window)
+            if not n:
+                raise httpx.RemoteProtocolError("the daemon closed the connection mid-body")
+            sink.wrote(n)
+            left -= n
+            continue
         piece = sock.recv(min(left, _READ_PIECE))
         if not piece:
             raise httpx.RemoteProtocolError("the daemon closed the connection mid-body")
-        sink(piece)
+        sink.feed(piece)
         left -= len(piece)
 
 

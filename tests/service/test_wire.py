@@ -65,3 +65,49 @@ def test_padding_and_gaps_are_allowed() -> None:
     )
     assert [bytes(batch.value(i)) for i in range(2)] == [b"ab", b"cde"]
     assert len(wire.runs(batch)) == 2
+
+
+@given(
+    st.lists(st.binary(min_size=1, max_size=64), min_size=1, max_size=12),
+    st.integers(min_value=0, max_value=400),
+    st.lists(st.tuples(st.booleans(), st.integers(min_value=1, max_value=97)), max_size=60),
+    st.data(),
+)
+def test_batch_sink_lands_the_same_bytes_through_feed_or_in_place_receive(
+    values: list[bytes],
+    room: int,
+    steps: list[tuple[bool, int]],
+    data: st.DataObject,
+) -> None:
+    """The client receives a batch body either as pieces (feed) or straight into the
+    caller's buffer (window/wrote); any mix gives the same values, and a value that does
+    not fit whole into the buffer ends the run either way."""
+    from kvtier.service.protocol import BatchSink
+
+    body = bytes(wire.pack([os.urandom(16) for _ in values], values))
+    dst = bytearray(room)
+    sink = BatchSink(memoryview(dst))
+    pos = 0
+    for in_place, n in [*steps, (False, len(body))]:
+        if pos >= len(body):
+            break
+        window = sink.window(n) if in_place else None
+        if window is not None:
+            k = data.draw(st.integers(min_value=1, max_value=window.nbytes))
+            window[:k] = body[pos : pos + k]  # a recv_into that got k bytes
+            sink.wrote(k)
+            pos += k
+        else:
+            sink.feed(body[pos : pos + n])
+            pos += n
+    count, lengths, _ = sink.result()
+    fit = 0
+    total = 0
+    for v in values:
+        if total + len(v) > room:
+            break
+        total += len(v)
+        fit += 1
+    assert count == fit
+    assert list(lengths) == [len(v) for v in values[:fit]]
+    assert bytes(dst[:total]) == b"".join(values[:fit])
