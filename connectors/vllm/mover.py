@@ -113,15 +113,23 @@ class BlockMover(ABC):
         return ev
 
     @abstractmethod
-    def gather(self, block_ids: Sequence[int], after: object | None = None) -> torch.Tensor:
-        """Copy blocks into a new host staging tensor ``[len(block_ids), L, page]`` uint8.
+    def gather(
+        self,
+        block_ids: Sequence[int],
+        after: object | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Copy blocks into a host staging tensor ``[len(block_ids), L, page]`` uint8.
 
         Args:
             block_ids: blocks to copy, in staging order.
             after: the token :meth:`mark` returned; the copy starts after that point.
+            out: a C-contiguous CPU tensor of that shape to copy into (memory shared
+                with a daemon: the save then moves no byte on this side); default a new
+                one from :meth:`host_buffer`.
 
         Returns:
-            A C-contiguous CPU tensor the caller owns.
+            ``out``, or the new tensor the caller owns.
         """
 
     @abstractmethod
@@ -192,8 +200,13 @@ class TorchBlockMover(BlockMover):
                 out[:, layer].copy_(rows.reshape(len(idx), self.page_bytes))
 
     @override
-    def gather(self, block_ids: Sequence[int], after: object | None = None) -> torch.Tensor:
-        host = self.host_buffer(len(block_ids))
+    def gather(
+        self,
+        block_ids: Sequence[int],
+        after: object | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        host = self.host_buffer(len(block_ids)) if out is None else out
         if not block_ids:
             return host
         if self._stream is None:
@@ -266,8 +279,13 @@ class EngineBlockMover(BlockMover):
         self._after = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
 
     @override
-    def gather(self, block_ids: Sequence[int], after: object | None = None) -> torch.Tensor:
-        host = self.host_buffer(len(block_ids))
+    def gather(
+        self,
+        block_ids: Sequence[int],
+        after: object | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        host = self.host_buffer(len(block_ids)) if out is None else out
         if not block_ids:
             return host
         if isinstance(after, torch.cuda.Event):

@@ -92,6 +92,7 @@ class RemoteStore:
         )
         self._breaker = Breaker(settings.url, dropped="saves", refused=f"values of {chunk_bytes} B")
         self._staging: npt.NDArray[np.uint8] | None = None
+        self._save_staging: npt.NDArray[np.uint8] | None = None
         self._check_limits()
 
     def _check_limits(self) -> None:
@@ -158,6 +159,16 @@ class RemoteStore:
 
         res: PutResult = self._breaker.call(f"save of {n} chunks", save, PutResult(0, 0, 0, n))
         return _done(res)
+
+    def save_staging(self, nbytes: int) -> npt.NDArray[np.uint8] | None:
+        """As :meth:`staging`, a second buffer for saves: the worker gathers a save's
+        blocks into it and :meth:`put` then sends only offsets (the daemon copies once,
+        into its tier). For one thread (the worker's single save thread)."""
+        if self._client.same_host_socket is None:
+            return None
+        if self._save_staging is None or self._save_staging.nbytes < nbytes:
+            self._save_staging = self._client.shared_buffer(max(nbytes, 2 * self.chunk_bytes))
+        return self._save_staging[:nbytes]
 
     def staging(self, nbytes: int) -> npt.NDArray[np.uint8] | None:
         """A reusable buffer of ``nbytes`` in memory shared with the daemon, or None when

@@ -227,7 +227,17 @@ class WorkerSide:
         t0 = time.perf_counter()
         ok: list[bytes] = []
         try:
-            staging = mover.gather(op.block_ids, token)
+            out = None
+            if isinstance(store, RemoteStore) and mover.device.type != "cuda":
+                # Same-host daemon: gather straight into memory it maps, so the put
+                # sends offsets and the daemon's copy into its tier is the only other
+                # one. (On CUDA the mover's pinned buffer stays: the device copy wants it.)
+                shared = store.save_staging(len(op.block_ids) * mover.block_bytes)
+                if shared is not None:
+                    out = torch.from_numpy(shared).view(
+                        len(op.block_ids), mover.num_layers, mover.page_bytes
+                    )
+            staging = mover.gather(op.block_ids, token, out=out)
             keys = rank_keys(self._salt, op.keys)
             res = store.put(keys, staging.numpy()).result()
             if res.stored + res.present == len(keys):

@@ -64,6 +64,27 @@ def test_loads_land_in_staging_shared_with_the_daemon(daemon: Daemon) -> None:
         store.close()
 
 
+def test_saves_from_the_save_staging_copy_nothing_on_the_client(daemon: Daemon) -> None:
+    """The worker gathers a save into ``save_staging``; the put then sends offsets only:
+    the client never fills a scratch region (its copy), and the daemon stores the bytes."""
+    store = RemoteStore(DaemonSettings(daemon.url), CHUNK_BYTES)
+    try:
+        keys, data = _chunks(4, 5)
+        out = store.save_staging(data.nbytes)
+        assert out is not None and out.nbytes == data.nbytes
+        assert out.ctypes.data != store.staging(data.nbytes).ctypes.data  # type: ignore[union-attr]
+        out[:] = data
+        assert store.put(keys, out).result().stored == 4
+        shm = store._client._shm
+        assert shm is not None
+        assert all(link.scratch is None for link in shm._idle), "the put copied into scratch"
+        dst = np.zeros_like(data)
+        assert store.get(keys, dst).result().chunks == 4
+        assert np.array_equal(dst, data)
+    finally:
+        store.close()
+
+
 def test_scheduler_lookup_uses_the_workers_rank_keys(daemon: Daemon) -> None:
     store = RemoteStore(DaemonSettings(daemon.url), CHUNK_BYTES)
     try:
