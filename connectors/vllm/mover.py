@@ -112,7 +112,6 @@ class BlockMover(ABC):
         ev.record()
         return ev
 
-    @abstractmethod
     def gather(
         self,
         block_ids: Sequence[int],
@@ -131,6 +130,14 @@ class BlockMover(ABC):
         Returns:
             ``out``, or the new tensor the caller owns.
         """
+        host = self.host_buffer(len(block_ids)) if out is None else out
+        if block_ids:
+            self._gather(block_ids, after, host)
+        return host
+
+    @abstractmethod
+    def _gather(self, block_ids: Sequence[int], after: object | None, host: torch.Tensor) -> None:
+        """Copy the (non-empty) ``block_ids`` into ``host`` (see :meth:`gather`)."""
 
     @abstractmethod
     def scatter(self, staging: torch.Tensor, block_ids: Sequence[int]) -> None:
@@ -200,18 +207,10 @@ class TorchBlockMover(BlockMover):
                 out[:, layer].copy_(rows.reshape(len(idx), self.page_bytes))
 
     @override
-    def gather(
-        self,
-        block_ids: Sequence[int],
-        after: object | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        host = self.host_buffer(len(block_ids)) if out is None else out
-        if not block_ids:
-            return host
+    def _gather(self, block_ids: Sequence[int], after: object | None, host: torch.Tensor) -> None:
         if self._stream is None:
             self._gather_into(host, self._index(block_ids))
-            return host
+            return
         with torch.cuda.stream(self._stream):
             if isinstance(after, torch.cuda.Event):
                 self._stream.wait_event(after)
@@ -220,7 +219,6 @@ class TorchBlockMover(BlockMover):
             self._gather_into(dev, idx)
             host.copy_(dev, non_blocking=True)
         self._stream.synchronize()
-        return host
 
     @override
     def scatter(self, staging: torch.Tensor, block_ids: Sequence[int]) -> None:
@@ -279,15 +277,7 @@ class EngineBlockMover(BlockMover):
         self._after = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
 
     @override
-    def gather(
-        self,
-        block_ids: Sequence[int],
-        after: object | None = None,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        host = self.host_buffer(len(block_ids)) if out is None else out
-        if not block_ids:
-            return host
+    def _gather(self, block_ids: Sequence[int], after: object | None, host: torch.Tensor) -> None:
         if isinstance(after, torch.cuda.Event):
             with torch.cuda.stream(self._after):
                 self._after.wait_event(after)
@@ -295,7 +285,6 @@ class EngineBlockMover(BlockMover):
         else:
             h = self.engine.store(self.kv, block_ids, host.view(-1), order=HostOrder.BLOCK)
         h.wait()
-        return host
 
     @override
     def scatter(self, staging: torch.Tensor, block_ids: Sequence[int]) -> None:
