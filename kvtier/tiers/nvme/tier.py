@@ -54,9 +54,9 @@ from kvtier.enums import Switch
 from kvtier.errors import ClosedError, ConfigError, CorruptChunkError, TierIOError
 from kvtier.files import DIR_MODE, FILE_MODE, make_private, make_private_dirs
 from kvtier.tiers.base import SlotRun, Tier, TierFaults, TierGeometry, TierProfile
-from kvtier.tiers.nvme import Codec, EngineKind, Options
 from kvtier.tiers.nvme.engine import PAGE, BufferPool, IOEngine, IORequest, is_aligned, make_engine
 from kvtier.tiers.nvme.journal import Durability, Entry, Geometry, Journal, Op
+from kvtier.tiers.nvme.options import Codec, EngineKind, Options
 from kvtier.units import align_up, format_size
 
 log = logging.getLogger(__name__)
