@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.bench._daemon_load import drive, start_kvtier, stop_process, versus
+
 MiB = 1 << 20
 SIZES = (1 * MiB, 4 * MiB, 16 * MiB)
 CONCURRENCY = (1, 4)
@@ -50,7 +52,6 @@ def rows_for_size(
     vLLM connector asks for a sequence's chunks); the baseline copies the same bytes
     in one ``numpy.copyto``.
     """
-    from kvtier.bench.daemon import _stop, drive, start_kvtier, versus
     from kvtier.service.client import Client
 
     url, proc = start_kvtier(tmp, "1GiB", max_value_bytes=size)
@@ -156,7 +157,7 @@ def rows_for_size(
                 )
     finally:
         c.close()
-        _stop(proc)
+        stop_process(proc)
     return rows
 
 

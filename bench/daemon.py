@@ -41,28 +41,15 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench import _same_host as same_host
+from kvtier.bench._daemon_load import Run, drive, start_kvtier, stop_process, versus
 from kvtier.bench.common import envelope, write_json
-from kvtier.bench.redis_procs import RedisServer, free_port
+from kvtier.bench.redis_procs import RedisServer
 
 KiB = 1024
 MiB = 1024 * KiB
 SIZES = (256 * KiB, 1 * MiB, 4 * MiB)
 CONCURRENCY = (1, 16, 64)
 POOL_VALUES = 8  # distinct random values per size, cycled
-
-
-def _wait(ready: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, log: Path) -> None:
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}: {log.read_text()[-2000:]}")
-        try:
-            if ready():
-                return
-        except Exception:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{what} did not start: {log.read_text()[-2000:]}")
 
 
 @dataclass
@@ -72,110 +59,6 @@ class Servers:
     kvtier: subprocess.Popen[bytes]
     tmp: Path
     redis_pid: int = 0
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def start_kvtier(
-    tmp: Path, capacity: str, *, io_threads: int = 4, max_value_bytes: int = 4 * MiB
-) -> tuple[str, subprocess.Popen[bytes]]:
-    port = free_port()
-    log = tmp / f"kvtier-{port}.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvtier.cli.main",
-                "serve",
-                "--port",
-                str(port),
-                "--set",
-                f"service.max_value_bytes={max_value_bytes}",
-                "--set",
-                f"tiers.0.capacity_bytes={capacity}",
-                "--set",
-                f"store.io_threads={io_threads}",
-                # pin=auto imports torch only to learn there is no CUDA here: slow start.
-                "--set",
-                "tiers.0.pin=off",
-                "--set",
-                "log_level=WARNING",
-                # Never the user's data directory: a daemon of theirs may hold it.
-                "--set",
-                f"service.data_dir={tmp / f'data-{port}'}",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-
-    _wait(
-        lambda: httpx.get(f"{url}/readyz", timeout=1).status_code == 200, proc, "kvtier serve", log
-    )
-    return url, proc
-
-
-# -- load generation ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Run:
-    wall_s: float
-    nbytes: int
-    latencies_s: list[float]
-    # CPU seconds the round cost the server process and this (client) process, all
-    # threads: per request, far steadier than wall time on a shared, loaded machine.
-    server_cpu_s: float = 0.0
-    client_cpu_s: float = 0.0
-
-    @property
-    def GBps(self) -> float:
-        return self.nbytes / self.wall_s / 1e9
-
-
-def drive(op: Callable[[int], int], n_ops: int, concurrency: int, pool: ThreadPoolExecutor) -> Run:
-    """Run ``op(i)`` for i in range(n_ops) on ``concurrency`` threads; op returns bytes moved."""
-    lock = threading.Lock()
-    nxt = [0]
-    lat: list[list[float]] = [[] for _ in range(concurrency)]
-    moved = [0] * concurrency
-    span = [(0.0, 0.0)] * concurrency
-    start = threading.Barrier(concurrency)
-
-    def worker(w: int) -> None:
-        start.wait()
-        first = time.perf_counter()
-        while True:
-            with lock:
-                i = nxt[0]
-                nxt[0] += 1
-            if i >= n_ops:
-                break
-            t0 = time.perf_counter()
-            moved[w] += op(i)
-            lat[w].append(time.perf_counter() - t0)
-        span[w] = (first, time.perf_counter())
-
-    futs = [pool.submit(worker, w) for w in range(concurrency)]
-    for f in futs:
-        f.result()
-    # Wall time from the first worker's start to the last one's end, as the workers saw
-    # it: a clock on this thread would start late when a short run ends before this
-    # thread is scheduled again after the barrier (a fast memcpy round did).
-    wall = max(e for _, e in span) - min(s for s, _ in span)
-    return Run(wall, sum(moved), [x for xs in lat for x in xs])
 
 
 def _cpu_s(pid: int) -> float:
@@ -203,31 +86,8 @@ def drive_measured(
 
 
 def _cpu_per_op(runs: list[Run], n_ops: int, *, server: bool) -> float:
-    per = [(r.server_cpu_s if server else r.client_cpu_s) / n_ops for r in runs]
+    per: list[float] = [(r.server_cpu_s if server else r.client_cpu_s) / n_ops for r in runs]
     return round(statistics.median(per) * 1e3, 3)
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-
-def versus(k_runs: list[Run], b_runs: list[Run], base: str, ratio_key: str = "ratio") -> dict[str, Any]:
-    """kvtier's runs of one point against a baseline's: median GB/s of each, their ratio,
-    and the latency percentiles over every operation of every run."""
-    k_gbps = statistics.median(r.GBps for r in k_runs)
-    b_gbps = statistics.median(r.GBps for r in b_runs)
-    k_lat = [x for r in k_runs for x in r.latencies_s]
-    b_lat = [x for r in b_runs for x in r.latencies_s]
-    return {
-        "kvtier_GBps": round(k_gbps, 4),
-        f"{base}_GBps": round(b_gbps, 4),
-        ratio_key: round(k_gbps / b_gbps, 3),
-        "p50_ms": round(_pct(k_lat, 0.5) * 1e3, 3),
-        "p99_ms": round(_pct(k_lat, 0.99) * 1e3, 3),
-        f"{base}_p50_ms": round(_pct(b_lat, 0.5) * 1e3, 3),
-        f"{base}_p99_ms": round(_pct(b_lat, 0.99) * 1e3, 3),
-    }
 
 
 class Contender:
@@ -600,7 +460,7 @@ def main(argv: list[str]) -> int:
                             rows.append(row)
                             print(_line(row), flush=True)
                 finally:
-                    _stop(kproc)
+                    stop_process(kproc)
         sh_rows: list[dict[str, Any]] = []
         if sh_sizes:
             print(same_host.HEADER)

@@ -325,7 +325,7 @@ def run_disagg(a: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-disagg-"))
     model = write_tiny_llama(a.model_dir or tmp / "model", geo)
     kv_bytes_per_token = geo.kv_bytes_per_token(a.dtype)
-    from kvtier.bench.daemon import start_kvtier
+    from kvtier.bench._daemon_load import start_kvtier
 
     url, daemon = start_kvtier(tmp, "2GiB", max_value_bytes=kv_bytes_per_token * a.chunk_tokens)
     producer: LineChild | None = None

@@ -50,7 +50,7 @@ def test_the_nvme_benchmark_skips_a_missing_engine_with_a_reason(tmp_path: Path)
 def test_the_daemon_benchmark_keeps_off_the_users_data_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvtier.bench.daemon import _stop, start_kvtier
+    from kvtier.bench._daemon_load import start_kvtier, stop_process
 
     home = tmp_path / "home"
     home.mkdir()
@@ -61,6 +61,6 @@ def test_the_daemon_benchmark_keeps_off_the_users_data_directory(
     try:
         assert url.startswith("http://127.0.0.1:")
     finally:
-        _stop(proc)
+        stop_process(proc)
     assert not (home / ".local").exists()
     assert any(work.glob("data-*/nvme"))
