@@ -228,18 +228,22 @@ def load_config(
     return parse_config(raw)
 
 
-def read_toml(path: str | Path) -> dict[str, Any]:
-    """A kvtier TOML file, parsed (the one reader of config files).
+def read_toml(path: str | Path, *, key: str = "config_file") -> dict[str, Any]:
+    """A kvtier TOML file, parsed (the one reader of TOML files: configs, hardware profiles).
+
+    Args:
+        path: the file.
+        key: the setting that named the file, for the error (e.g. ``hardware``).
 
     Raises:
-        ConfigError: the file cannot be read, or is not valid TOML (key ``config_file``).
+        ConfigError: the file cannot be read, or is not valid TOML (the error's key is ``key``).
     """
     try:
         return tomllib.loads(Path(path).read_text())
     except OSError as exc:
-        raise ConfigError("config_file", str(path), f"a readable TOML file ({exc})") from exc
+        raise ConfigError(key, str(path), f"a readable TOML file ({exc})") from exc
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("config_file", str(path), f"valid TOML ({exc})") from exc
+        raise ConfigError(key, str(path), f"valid TOML ({exc})") from exc
 
 
 def merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

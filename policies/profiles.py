@@ -13,12 +13,11 @@ Units: seconds, bytes, bytes/second, dollars. Nothing here does I/O except
 from __future__ import annotations
 
 import enum
-import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import tier_tables
+from kvtier.config import read_toml, tier_tables
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import TierProfile
 from kvtier.units import KiB
@@ -254,13 +253,7 @@ def load_hardware(source: str | Path) -> Hardware:
         return hardware_preset(str(source))
     if not path.exists():
         return hardware_preset(str(source))
-    try:
-        raw = tomllib.loads(path.read_text())
-    except OSError as exc:
-        raise ConfigError("hardware", str(path), f"a readable TOML file ({exc})") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("hardware", str(path), f"valid TOML ({exc})") from exc
-    return _hardware_from_dict(raw, str(path))
+    return _hardware_from_dict(read_toml(path, key="hardware"), str(path))
 
 
 def _hardware_from_dict(raw: dict[str, Any], where: str) -> Hardware:

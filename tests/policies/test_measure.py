@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.errors import ConfigError
 from kvtier.policies.measure import Measured, fit, measure_disk, to_toml
 from kvtier.policies.profiles import Medium, load_hardware
 
@@ -32,3 +33,16 @@ def test_profile_toml_loads_as_hardware(tmp_path: Path) -> None:
 def test_disk_probe_reads_back_what_it_wrote(tmp_path: Path) -> None:
     write, read, _ = measure_disk(tmp_path, total_bytes=32 << 20)
     assert write > 0 and read > 0
+
+
+def test_a_bad_hardware_file_names_the_hardware_setting(tmp_path: Path) -> None:
+    f = tmp_path / "bad.toml"
+    f.write_text("[gpu\n")
+    with pytest.raises(ConfigError, match="valid TOML") as exc:
+        load_hardware(f)
+    assert exc.value.key == "hardware" and exc.value.value == str(f)
+    unreadable = tmp_path / "dir.toml"
+    unreadable.mkdir()
+    with pytest.raises(ConfigError, match="readable TOML") as exc:
+        load_hardware(unreadable)
+    assert exc.value.key == "hardware"
