@@ -147,3 +147,29 @@ def test_every_top_level_section_has_a_table() -> None:
     names = {f.name for f in dataclasses.fields(KVTierConfig)} - {"tiers", "log_level"}
     for name in names:
         assert f"## `[{name}]`" in CONFIG_MD, name
+
+
+def _row(text: str, command: str) -> str:
+    """The line of a table whose first cell names ``command`` (in backticks)."""
+    rows = [
+        line
+        for line in text.splitlines()
+        if line.startswith("| ") and f"`{command}`" in line.split("|")[1]
+    ]
+    assert len(rows) == 1, f"one table row for {command}, found {len(rows)}"
+    return rows[0]
+
+
+def test_the_host_tier_sizes_in_the_readme_and_operations_md_are_the_real_ones() -> None:
+    from kvtier.cli.demo import DEMO_HOST_BYTES
+
+    readme = (ROOT / "README.md").read_text()
+    serve_gib = DEFAULT.tiers[0].capacity_bytes // GiB
+    demo_gib = min(DEFAULT.tiers[0].capacity_bytes, DEMO_HOST_BYTES) // GiB
+    assert f"the {serve_gib} GiB host tier" in _row(readme, "kvtier serve")
+    assert f"a {demo_gib} GiB host tier" in _row(readme, "kvtier demo")
+    assert f"the host tier ({serve_gib} GiB by default)" in _row(OPERATIONS_MD, "kvtier serve")
+    assert f"a {demo_gib} GiB host tier" in _row(OPERATIONS_MD, "kvtier demo")
+    for doc in (readme, OPERATIONS_MD):  # and no other host tier size in the demo's rows
+        sizes = re.findall(r"(\d+(?:\.\d+)?) GiB host tier", _row(doc, "kvtier demo"))
+        assert {float(n) for n in sizes} == {demo_gib}, sizes
