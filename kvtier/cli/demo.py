@@ -29,7 +29,6 @@ from kvtier.cli.console import stdout_console
 from kvtier.config import KVTierConfig
 from kvtier.factory import build_store
 from kvtier.keys import ChunkKey
-from kvtier.service.server import with_nvme_under
 from kvtier.units import format_size
 
 TRACE_BLOCK_TOKENS = 512
@@ -115,6 +114,9 @@ def run_demo(cfg: KVTierConfig, *, sequences: int, trace: str | Path | None, see
     # tier holding another seed's chunks must miss, not fail verification.
     cfg = _demo_sized(cfg)
     if cfg.service.data_dir:
+        # The daemon's helper, imported here: the core imports no wing at module level.
+        from kvtier.service.server import with_nvme_under
+
         where = Path(cfg.service.data_dir).expanduser() / DEMO_SUBDIR
         cfg = with_nvme_under(cfg, where, cfg.service.data_capacity_bytes)
     built = build_store(cfg, tenant=f"kvtier-demo-seed-{seed}")

@@ -43,8 +43,9 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement, at any depth, outside ``if TYPE_CHECKING:`` blocks."""
+def _imports(tree: ast.AST, *, in_functions: bool) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Import statements outside ``if TYPE_CHECKING:`` blocks: at any depth, or (without
+    ``in_functions``) only those that run when the module is imported."""
     stack: list[ast.AST] = [tree]
     while stack:
         node = stack.pop()
@@ -53,13 +54,18 @@ def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
         elif isinstance(node, ast.If) and _is_type_checking(node.test):
             stack.extend(node.orelse)
             continue
+        elif not in_functions and isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
         stack.extend(ast.iter_child_nodes(node))
 
 
-def _edges(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+def _edges(
+    name: str, path: Path, modules: dict[str, Path], *, in_functions: bool = True
+) -> set[str]:
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
-    for node in _imports(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    for node in _imports(tree, in_functions=in_functions):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name in modules)
             continue
@@ -78,10 +84,14 @@ def _edges(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return out
 
 
-def graph(root: Path) -> dict[str, set[str]]:
-    """Each project module's imports of project modules."""
+def graph(root: Path, *, in_functions: bool = True) -> dict[str, set[str]]:
+    """Each project module's imports of project modules (without ``in_functions``: only
+    those that run when it is imported)."""
     modules = _modules(root)
-    return {name: _edges(name, path, modules) for name, path in modules.items()}
+    return {
+        name: _edges(name, path, modules, in_functions=in_functions)
+        for name, path in modules.items()
+    }
 
 
 def cycles(g: dict[str, set[str]]) -> list[list[str]]:
@@ -130,6 +140,20 @@ def test_no_import_circles() -> None:
     assert len(g) > 100  # the mapping found the wings too
     found = cycles(g)
     assert not found, "import circles:\n" + "\n".join(_describe(c, g) for c in found)
+
+
+def test_the_core_imports_no_wing_at_module_level() -> None:
+    """docs/architecture.md: the wings (policies, connectors, service, bench) import the
+    core; the core reaches a wing only inside a function, on first use."""
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    wings = [p for p in dirs["package-dir"] if p != "kvtier"]
+
+    def in_wing(m: str) -> bool:
+        return any(m == w or m.startswith(f"{w}.") for w in wings)
+
+    g = graph(ROOT, in_functions=False)
+    upward = sorted(f"{m} -> {w}" for m in g if not in_wing(m) for w in g[m] if in_wing(w))
+    assert not upward, "the core imports a wing at module level:\n" + "\n".join(upward)
 
 
 def test_the_checker_sees_a_circle_dodged_inside_a_function(tmp_path: Path) -> None:
