@@ -2,7 +2,10 @@
 
 Run one with ``kvtier bench NAME [--json FILE]`` or ``python -m kvtier.bench.NAME``.
 Every module exposes ``main(argv) -> int``, prints a short table and writes JSON with
-the command, the machine, the versions, the ratios and the raw figures.
+the command, the machine, the versions, the ratios and the raw figures. Rows that need
+an optional package (torch, redis, vLLM, LMCache, aiofiles, lz4) are skipped with a
+printed reason where it is missing (:func:`kvtier.bench.common.optional` and
+:func:`~kvtier.bench.common.missing`), and the program exits 0.
 """
 
 from __future__ import annotations

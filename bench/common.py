@@ -1,8 +1,10 @@
-"""Shared helpers for benchmarks: timing with warm-up, medians, the JSON envelope, and child
-processes that answer one JSON line per request."""
+"""Shared helpers for benchmarks: timing with warm-up, medians, the JSON envelope, child
+processes that answer one JSON line per request, and optional packages."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import platform
 import statistics
@@ -13,9 +15,45 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from kvtier.policies.measure import run_times
+
+
+def optional(package: str, rows: str, install: str) -> ModuleType | None:
+    """``package`` imported, or None after printing that ``rows`` are skipped and why.
+
+    A benchmark asks before the rows that need an optional package, then skips them and
+    runs the rest, or returns 0 when nothing is left: a missing package is a printed
+    reason, never a traceback. ``install`` says how to get it (``pip install ...``).
+    """
+    try:
+        return importlib.import_module(package)
+    except ImportError as exc:
+        _skipping(rows, package, install, exc)
+        return None
+
+
+def missing(package: str, rows: str, install: str) -> bool:
+    """:func:`optional` without importing ``package``: True (reason printed) when absent.
+
+    For a benchmark whose child processes import the package (vLLM takes seconds).
+    """
+    try:
+        if importlib.util.find_spec(package) is not None:
+            return False
+    except (ImportError, ValueError) as exc:  # a parent package missing, a broken spec
+        _skipping(rows, package, install, exc)
+        return True
+    _skipping(rows, package, install, None)
+    return True
+
+
+def _skipping(rows: str, package: str, install: str, exc: Exception | None) -> None:
+    absent = exc is None or getattr(exc, "name", None) == package
+    why = "is not installed" if absent else f"cannot be imported ({exc})"
+    print(f"skipping {rows}: {package} {why} ({install})", flush=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,7 +42,7 @@ from typing import Any
 
 from kvtier.bench import _same_host as same_host
 from kvtier.bench._daemon_load import Run, drive, start_kvtier, stop_process, versus
-from kvtier.bench.common import envelope, write_json
+from kvtier.bench.common import envelope, missing, write_json
 from kvtier.bench.redis_procs import RedisServer
 
 KiB = 1024
@@ -428,15 +428,26 @@ def main(argv: list[str]) -> int:
     if args.same_host_only:
         soak_s = 0.0
     concs = [int(c) for c in args.concurrency.split(",")]
+    service = "pip install 'kvtier[service]'"
+    if any(missing(p, "every daemon row", service) for p in ("fastapi", "uvicorn", "httpx")):
+        return 0
+    if sizes and (
+        missing("redis", "the Redis rows", "pip install 'kvtier[redis]'")
+        or missing("psutil", "the Redis rows (their CPU columns)", "pip install psutil")
+    ):
+        sizes = []
+    if soak_s > 0 and missing("psutil", "the soak (it samples the RSS)", "pip install psutil"):
+        soak_s = 0.0
 
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-daemon-"))
-    redis_server = RedisServer(tmp / "redis").start()
+    redis_server = RedisServer(tmp / "redis").start() if sizes else None
     rows: list[dict[str, Any]] = []
-    print(
-        f"{'op':9} {'value':>8} {'conc':>4} {'kvtier GB/s':>11} {'redis GB/s':>10} {'ratio':>6} "
-        f"{'p50 ms':>8} {'p99 ms':>8} {'redis p50':>9} {'redis p99':>9}  "
-        f"{'kv cpu ms':>11} {'redis cpu':>11}"
-    )
+    if sizes:
+        print(
+            f"{'op':9} {'value':>8} {'conc':>4} {'kvtier GB/s':>11} {'redis GB/s':>10} "
+            f"{'ratio':>6} {'p50 ms':>8} {'p99 ms':>8} {'redis p50':>9} {'redis p99':>9}  "
+            f"{'kv cpu ms':>11} {'redis cpu':>11}"
+        )
     try:
         with ThreadPoolExecutor(max_workers=max(concs)) as pool:
             for size in sizes:
@@ -444,7 +455,7 @@ def main(argv: list[str]) -> int:
                 # (docs/operations.md): a 256 KiB value in a 4 MiB slot wastes 15/16.
                 # 1 GiB holds the get working set plus every put round's fresh keys.
                 url, kproc = start_kvtier(tmp, "1GiB", max_value_bytes=size)
-                assert redis_server.proc is not None
+                assert redis_server is not None and redis_server.proc is not None
                 servers = Servers(url, redis_server.port, kproc, tmp, redis_server.proc.pid)
                 try:
                     for conc in concs:
@@ -478,7 +489,8 @@ def main(argv: list[str]) -> int:
                         sh_rows.append(row)
                         print(same_host.line(row), flush=True)
     finally:
-        redis_server.stop()
+        if redis_server is not None:
+            redis_server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     soak_out: dict[str, Any] | None = None
     if soak_s > 0:
@@ -496,10 +508,11 @@ def main(argv: list[str]) -> int:
         "points_meeting_target": sum(r >= 0.8 for r in ratios),
         "points": len(ratios),
     }
-    print(
-        f"ratio kvtier/redis: median {summary['median_ratio']}, min {summary['min_ratio']}, "
-        f"{summary['points_meeting_target']}/{summary['points']} points >= 0.8"
-    )
+    if rows:
+        print(
+            f"ratio kvtier/redis: median {summary['median_ratio']}, min {summary['min_ratio']}, "
+            f"{summary['points_meeting_target']}/{summary['points']} points >= 0.8"
+        )
     sh_summary = same_host.summary(sh_rows)
     if sh_rows:
         print(

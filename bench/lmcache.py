@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.common import envelope, write_json
+from kvtier.bench.common import envelope, missing, write_json
 
 LAYERS, HEADS, HEAD_SIZE, CHUNK = 32, 8, 128, 256
 TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_SIZE * 2  # K and V, bf16
@@ -350,11 +350,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--only", action="append", help="run only these backends (repeatable)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    try:
-        import lmcache  # noqa: F401
-    except ImportError:
-        print("kvtier bench lmcache needs LMCache: pip install 'kvtier[lmcache]'", file=sys.stderr)
-        return 2
+    if missing("lmcache", "every lmcache row", "pip install 'kvtier[lmcache]'"):
+        return 0
     import torch
 
     from kvtier.bench.redis_procs import RedisServer

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import os
 import re
 import shutil
@@ -43,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.bench.common import envelope, write_json
+from kvtier.bench.common import envelope, missing, write_json
 from kvtier.keys import ChunkKey
 from kvtier.tiers.base import SlotRun, TierGeometry
 
@@ -165,16 +164,12 @@ def _contenders(root: Path, cap: int, slot: int, names: list[str]) -> dict[str, 
 
     out: dict[str, Any] = {}
     for name in names:
-        why = ""
         if name == "kvikio" and not (kvikio_importable() and libcuda_loads()):
             why = "kvikio needs the kvikio package and libcuda (pip install 'kvtier[gds]')"
-        elif name == "aiofiles" and importlib.util.find_spec("aiofiles") is None:
-            why = "the aiofiles package is not installed (pip install aiofiles)"
-        if why:
             print(f"skipping {name}: {why}")
-            continue
-        if name == "aiofiles":
-            out[name] = AiofilesBaseline(root / "tp-aiofiles", slot)
+        elif name == "aiofiles":
+            if not missing("aiofiles", "the aiofiles rows", "pip install aiofiles"):
+                out[name] = AiofilesBaseline(root / "tp-aiofiles", slot)
         else:
             out[name] = _tier(root, f"tp-{name}", cap, slot, name)
     return out
@@ -427,7 +422,11 @@ def main(argv: list[str]) -> int:
             a.repeat,
             a.engines.split(","),
         )
-        codec_rows = codec_figures(int(a.slot_mib * MiB), a.repeat)
+        codec_rows = (
+            []
+            if missing("lz4", "the codec rows", "pip install 'kvtier[nvme]'")
+            else codec_figures(int(a.slot_mib * MiB), a.repeat)
+        )
         rec = (
             None
             if a.skip_recovery

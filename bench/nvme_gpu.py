@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.bench.common import optional
 from kvtier.tiers.base import TierGeometry
 
 MiB = 1 << 20
@@ -121,8 +122,9 @@ def main(argv: list[str]) -> int:
         "--device", default="auto", help="cuda, cpu (a dry run on a CPU host), or auto"
     )
     a = p.parse_args(argv)
-
-    import torch
+    torch = optional("torch", "every nvme_gpu row", "pip install torch")
+    if torch is None:
+        return 0
 
     dev = a.device
     if dev == "auto":

@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.bench.common import Sample, envelope, interleaved, write_json
+from kvtier.bench.common import Sample, envelope, interleaved, missing, write_json
 from kvtier.keys import ChunkKey
 from kvtier.spec import preset
 from kvtier.tiers.base import SlotRun, TierGeometry
@@ -239,6 +239,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--streams", type=int, default=2, help="tier connections per node")
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args(argv)
+    # Every row needs redis-py: kvtier's redis tier and both raw baselines use it.
+    if missing("redis", "every redis row", "pip install 'kvtier[redis]'"):
+        return 0
     BATCH_BYTES[0] = args.batch_bytes
     STREAMS[0] = args.streams
 

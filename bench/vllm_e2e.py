@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.common import LineChild, envelope, write_json
+from kvtier.bench.common import LineChild, envelope, missing, write_json
 from kvtier.bench.tiny_llama import (
     add_engine_options,
     bench_geometry,
@@ -180,6 +180,8 @@ def main(argv: list[str]) -> int:
         rc = noreuse_main(argv)
         return rc
     a = _args(argv)
+    if missing("vllm", "every vllm_e2e row", "pip install 'kvtier[vllm]'"):
+        return 0
     if a.disagg:
         return run_disagg(a)
     _env()

@@ -37,7 +37,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.common import LineChild, envelope, write_json
+from kvtier.bench.common import LineChild, envelope, missing, write_json
 from kvtier.bench.tiny_llama import TinyLlama, write_tiny_llama
 
 MARK = "KVTIER-ENGINE "
@@ -146,6 +146,8 @@ def _start_engine(a: argparse.Namespace, connector: bool, log: Path) -> LineChil
 
 def main(argv: list[str]) -> int:
     a = _args(argv)
+    if missing("vllm", "every vllm_noreuse row", "pip install 'kvtier[vllm]'"):
+        return 0
     geo = _geometry(a)
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-noreuse-"))
     a.model = str(write_tiny_llama(tmp / "model", geo))

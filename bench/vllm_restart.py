@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.common import envelope, write_json
+from kvtier.bench.common import envelope, missing, write_json
 from kvtier.bench.tiny_llama import (
     add_engine_options,
     bench_geometry,
@@ -135,6 +135,8 @@ def _child(argv: list[str], phase: str, workdir: str, out: Path) -> dict[str, An
 
 def main(argv: list[str]) -> int:
     a = _args(argv)
+    if missing("vllm", "every vllm_restart row", "pip install 'kvtier[vllm]'"):
+        return 0
     if a.phase is not None:
         write_json(a.json, _phase(a))
         return 0

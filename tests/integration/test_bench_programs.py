@@ -35,6 +35,49 @@ def test_helpers_are_not_offered_as_benchmarks(helper: str) -> None:
     assert out.returncode == 2 and "no benchmark" in out.stdout + out.stderr
 
 
+# Runs a benchmark as ``python -m`` would, with packages hidden: an import of one fails
+# as if it were not installed (None in sys.modules), and find_spec finds nothing.
+HIDDEN = """
+import runpy, sys
+sys.modules.update(dict.fromkeys(sys.argv[1].split(",")))
+name, sys.argv = sys.argv[2], [sys.argv[2], *sys.argv[3:]]
+runpy.run_module(f"kvtier.bench.{name}", run_name="__main__")
+"""
+
+# (benchmark, packages hidden, tiny arguments, the reason it must print)
+WITHOUT = [
+    ("gpu_transfer", "torch", ["--quick"], "skipping every gpu_transfer row: torch is not installed"),
+    ("nvme_gpu", "torch", ["--sizes", "4", "--repeat", "1"], "skipping every nvme_gpu row: torch"),
+    ("redis", "redis", ["--tokens", "256"], "skipping every redis row: redis is not installed"),
+    ("daemon", "redis", ["--same-host-sizes", "", "--soak-s", "0"], "skipping the Redis rows: redis"),
+    ("daemon", "httpx", [], "skipping every daemon row: httpx is not installed"),
+    ("lmcache", "lmcache", [], "skipping every lmcache row: lmcache is not installed"),
+    ("vllm_e2e", "vllm", [], "skipping every vllm_e2e row: vllm is not installed"),
+    ("vllm_e2e", "vllm", ["--restart"], "skipping every vllm_restart row: vllm"),
+    ("vllm_noreuse", "vllm", [], "skipping every vllm_noreuse row: vllm is not installed"),
+    ("vllm_restart", "vllm", [], "skipping every vllm_restart row: vllm is not installed"),
+    ("keys", "vllm", ["--tokens", "4096", "--repeat", "1"], "skipping the vLLM baseline rows: vllm"),
+    ("nvme", "aiofiles,lz4", ["--sizes", "4", "--repeat", "1", "--skip-recovery", "--engines",
+                              "posix,aiofiles"], "skipping the aiofiles rows: aiofiles is not"),
+    ("nvme", "lz4", ["--sizes", "4", "--repeat", "1", "--skip-recovery", "--engines", "posix"],
+     "skipping the codec rows: lz4 is not installed"),
+]
+
+
+@pytest.mark.parametrize(("name", "hidden", "args", "reason"), WITHOUT)
+def test_a_missing_optional_package_skips_its_rows_with_a_reason(
+    name: str, hidden: str, args: list[str], reason: str, tmp_path: Path
+) -> None:
+    if name in ("nvme", "nvme_gpu"):
+        args = [*args, "--dir", str(tmp_path)]
+    helped = run(sys.executable, "-c", HIDDEN, hidden, name, "--help")
+    assert helped.returncode == 0 and "usage:" in helped.stdout, helped.stderr[-2000:]
+    out = run(sys.executable, "-c", HIDDEN, hidden, name, *args)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert reason in out.stdout
+    assert "Traceback" not in out.stderr
+
+
 def test_the_nvme_benchmark_skips_a_missing_engine_with_a_reason(tmp_path: Path) -> None:
     from kvtier.tiers.nvme.engine import kvikio_importable, libcuda_loads
 
