@@ -16,8 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-import numpy as np
-
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, InputError
 from kvtier.factory import Built
@@ -26,6 +24,7 @@ from kvtier.store.store import Reservation, TieredStore
 from kvtier.store.types import LookupResult, PutResult
 
 from . import wire
+from .buffers import ValueBuffers
 from .errors import ApiError
 from .limits import Budget, Limits
 from .metrics import RequestMetrics, TenantCounters
@@ -84,6 +83,8 @@ class Daemon:
                 f"at least one value plus its batch header ({max_value + wire.table_bytes(1)} B)",
             )
         self.limits = Limits(max_value, s.max_body_bytes, s.max_batch_keys)
+        # GET bodies: reused, already faulted-in buffers of one value (see buffers.py).
+        self.values = ValueBuffers(max_value + wire.table_bytes(1))
         self.budget = Budget(s.max_inflight_bytes)
         self.auth = Authenticator(s.tokens)
         salt = s.key_salt
@@ -192,7 +193,7 @@ class Daemon:
         start = wire.table_bytes(n)
         payload = sum(hit.value_bytes[:n])
         self.budget.hold(scope, start + payload)
-        view = np.empty(start + payload, dtype=np.uint8).data
+        view = self.values.take(start + payload).data
         chunks, nbytes, lengths = 0, 0, tuple[int, ...]()
         if n:
             try:
@@ -220,7 +221,7 @@ class Daemon:
 
     async def get_value(self, t: Tenant, hex_key: str) -> memoryview | None:
         """One value for tenant ``t``, or None (the shared logic of both GET paths)."""
-        buf = np.empty(self.limits.max_value_bytes, dtype=np.uint8)
+        buf = self.values.take(self.limits.max_value_bytes)
         # A hit in memory is copied here, on the event loop: cheaper than the round trip
         # through an I/O thread (two wake-ups, the GIL handed over twice).
         fut = self.store.get([self.key(t, hex_key)], buf, inline_memory_bytes=INLINE_GET_BYTES)

@@ -23,7 +23,6 @@ import re
 from collections.abc import Coroutine
 from typing import Any
 
-import numpy as np
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvtier.store.types import PutResult
@@ -121,7 +120,7 @@ class FastPath:
         if res is None:
             # The store cannot give a slot to fill in place (present key, full top tier,
             # a tier behind I/O): receive into one buffer and let the store copy it.
-            buf = np.empty(length, dtype=np.uint8)
+            buf = self.d.values.take(length)
             got = await _receive_into(buf.data, receive)
             if got == length:
                 scope[BODY_BYTES] = got
