@@ -187,6 +187,13 @@ def _translate(exc: BaseException) -> httpx.TransportError:
 
 _HEAD_LIMIT = 64 * 1024
 _RECV = 256 * 1024
+# The daemon writes a response's head with the first body piece: a peek of this much
+# nearly always holds the whole head, which is then consumed exactly (below).
+_PEEK = 4096
+# A body at least this long, still wholly in the socket, is read by one buffered read
+# into the bytes object returned (CPython fills it in place): no zeroed bytearray first
+# and no copy into bytes after, which for a 32 MiB value cost more than the transfer.
+_DIRECT_BODY = 64 * 1024
 # sendmsg takes at most IOV_MAX (1024 on Linux) pieces per call.
 _IOV_MAX = 1024
 
@@ -318,6 +325,18 @@ class RawHTTP:
 
     @staticmethod
     def _read_head(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+        """(status, headers, the body bytes already read with the head)."""
+        try:
+            first = sock.recv(_PEEK, socket.MSG_PEEK)
+        except ConnectionResetError as exc:
+            raise _Stale() from exc
+        if not first:
+            raise _Stale()
+        end = first.find(b"\r\n\r\n")
+        if end >= 0:
+            # The whole head is there: take exactly it, the body stays in the socket.
+            _discard(sock, end + 4)
+            return (*_parse_head(first[:end]), b"")
         buf = b""
         while True:
             try:
@@ -336,16 +355,7 @@ class RawHTTP:
                 break
             if len(buf) > _HEAD_LIMIT:
                 raise httpx.RemoteProtocolError("the daemon sent an answer head over 64 KiB")
-        lines = buf[:end].decode("latin-1").split("\r\n")
-        try:
-            status = int(lines[0].split(" ", 2)[1])
-        except (IndexError, ValueError):
-            raise httpx.RemoteProtocolError(f"bad status line {lines[0][:80]!r}") from None
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        return status, headers, buf[end + 4 :]
+        return (*_parse_head(buf[:end]), buf[end + 4 :])
 
     def close(self) -> None:
         _close_idle(self._idle)
@@ -365,7 +375,36 @@ def _send_all(sock: socket.socket, parts: list[memoryview]) -> None:
                 sent = 0
 
 
+def _parse_head(head: bytes) -> tuple[int, dict[str, str]]:
+    lines = head.decode("latin-1").split("\r\n")
+    try:
+        status = int(lines[0].split(" ", 2)[1])
+    except (IndexError, ValueError):
+        raise httpx.RemoteProtocolError(f"bad status line {lines[0][:80]!r}") from None
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return status, headers
+
+
+def _discard(sock: socket.socket, n: int) -> None:
+    """Consume ``n`` bytes a peek has shown are there."""
+    while n > 0:
+        got = len(sock.recv(n))
+        if not got:
+            raise httpx.RemoteProtocolError("the daemon closed the connection mid-answer")
+        n -= got
+
+
 def _read_exact(sock: socket.socket, rest: bytes, length: int) -> bytes:
+    if not rest and length >= _DIRECT_BODY:
+        # Closing the file object leaves the socket open (it only drops a reference).
+        with sock.makefile("rb", buffering=_HEAD_LIMIT) as f:
+            body: bytes = f.read(length)
+        if len(body) != length:
+            raise httpx.RemoteProtocolError("the daemon closed the connection mid-body")
+        return body
     if len(rest) >= length:
         if len(rest) > length:
             raise httpx.RemoteProtocolError("the daemon sent more than its Content-Length")
