@@ -299,7 +299,8 @@ class RawHTTP:
             _send_all(sock, parts)
         except (BrokenPipeError, ConnectionResetError) as exc:
             raise _Stale() from exc
-        status, headers, rest = self._read_head(sock)
+        # Only a GET's answer may be a large body worth reading in place (peek first).
+        status, headers, rest = self._read_head(sock, peek=method == "GET")
         keep = headers.get("connection", "").lower() != "close"
         if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
             body = b""
@@ -324,19 +325,20 @@ class RawHTTP:
         return status, headers, body
 
     @staticmethod
-    def _read_head(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    def _read_head(sock: socket.socket, peek: bool) -> tuple[int, dict[str, str], bytes]:
         """(status, headers, the body bytes already read with the head)."""
-        try:
-            first = sock.recv(_PEEK, socket.MSG_PEEK)
-        except ConnectionResetError as exc:
-            raise _Stale() from exc
-        if not first:
-            raise _Stale()
-        end = first.find(b"\r\n\r\n")
-        if end >= 0:
-            # The whole head is there: take exactly it, the body stays in the socket.
-            _discard(sock, end + 4)
-            return (*_parse_head(first[:end]), b"")
+        if peek:
+            try:
+                first = sock.recv(_PEEK, socket.MSG_PEEK)
+            except ConnectionResetError as exc:
+                raise _Stale() from exc
+            if not first:
+                raise _Stale()
+            end = first.find(b"\r\n\r\n")
+            if end >= 0:
+                # The whole head is there: take exactly it, the body stays in the socket.
+                _discard(sock, end + 4)
+                return (*_parse_head(first[:end]), b"")
         buf = b""
         while True:
             try:
