@@ -25,6 +25,8 @@ from kvtier.errors import ConfigError
 from kvtier.tiers.base import TierSection
 from kvtier.tiers.registry import is_shared_kind, tier_options_class
 
+from . import malloc
+
 log = logging.getLogger(__name__)
 
 
@@ -74,6 +76,7 @@ def serve(cfg: KVTierConfig) -> None:
     cfg = with_data_dir(cfg)
     s = cfg.service
     sock = bind(s.host, s.port)
+    malloc.tune()
     try:
         host, port = sock.getsockname()[:2]
         log.info("kvtier daemon bound to http://%s:%d; opening the store", host, port)
