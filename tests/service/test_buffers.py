@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import gc
+import platform
 
 import numpy as np
+import pytest
 
+from kvtier.service import malloc
 from kvtier.service.buffers import ValueBuffers
 
 
@@ -47,3 +50,9 @@ def test_beyond_the_pool_size_a_plain_array() -> None:
     pool = ValueBuffers(4096)
     big = pool.take(8192)
     assert big.nbytes == 8192 and pool.created == 0
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_the_daemon_can_fix_glibcs_thresholds() -> None:
+    # Served in-process by `kvtier serve` at start-up (service/server.py).
+    assert malloc.tune()
