@@ -56,3 +56,10 @@ def test_beyond_the_pool_size_a_plain_array() -> None:
 def test_the_daemon_can_fix_glibcs_thresholds() -> None:
     # Served in-process by `kvtier serve` at start-up (service/server.py).
     assert malloc.tune()
+
+
+def test_the_default_keeps_64_mib_idle_and_at_least_one_buffer() -> None:
+    # docs/operations.md states these figures.
+    assert ValueBuffers(32 << 20).keep == 2
+    assert ValueBuffers(1 << 20).keep == 64
+    assert ValueBuffers(256 << 20).keep == 1
