@@ -97,12 +97,18 @@ class Engine:
                 raise AssertionError("LMCache kept its local CPU copies")
             time.sleep(0.05)
 
-    def wait_stored(self, tokens: list[int], backend: str, timeout_s: float = 60.0) -> int:
-        """Wait until ``backend`` holds every full chunk of ``tokens`` (stores are async)."""
+    def wait_stored(
+        self, tokens: list[int], backend: str, timeout_s: float = 60.0, **kw: Any
+    ) -> int:
+        """Wait until ``backend`` holds every full chunk of ``tokens`` (stores are async).
+
+        ``kw`` as for :meth:`lookup`: a salted store must be waited for with its salt (the
+        unsalted chunks are other keys, and may be there already).
+        """
         want = len(tokens) // CHUNK * CHUNK
         deadline = time.monotonic() + timeout_s
         while True:
-            n = self.lookup(tokens, backend)
+            n = self.lookup(tokens, backend, **kw)
             if n >= want or time.monotonic() > deadline:
                 return n
             time.sleep(0.05)

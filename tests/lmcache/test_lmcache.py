@@ -136,7 +136,7 @@ def test_remote_round_trip_with_tenants_and_salts(
         # A salted prompt is another chunk: the unsalted copy does not serve it.
         assert alice.lookup(tokens, REMOTE, request_configs=salt_a["request_configs"]) == 0
         alice.store(tokens, kv, **salt_a)
-        assert alice.wait_stored(tokens, REMOTE) == FULL, d.log.read_text()[-4000:]
+        assert alice.wait_stored(tokens, REMOTE, **salt_a) == FULL, d.log.read_text()[-4000:]
         alice.drop_local()
         assert alice.lookup(tokens, REMOTE, request_configs=salt_a["request_configs"]) == FULL
         assert alice.lookup(tokens, REMOTE, request_configs=salt_b["request_configs"]) == 0
