@@ -50,9 +50,10 @@ class ValueBuffers:
             return np.empty(n, dtype=np.uint8)
         with self._lock:
             mm = self._free.pop() if self._free else None
+            if mm is None:
+                self.created += 1
         if mm is None:
             mm = mmap.mmap(-1, max(1, self.nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            self.created += 1
         arr = np.frombuffer(mm, dtype=np.uint8, count=n)
         weakref.finalize(arr, self._give, mm)
         return arr
