@@ -20,10 +20,11 @@ pins, eviction orders, counters) under one lock, and :class:`~kvtier.store.mover
 does every transfer on the store's I/O threads.
 
 Threading: public methods may be called from any thread. Bytes move on the store's I/O
-threads, never under the index lock and never on the caller's thread (``put`` and
-``get`` return futures). Every read holds the slot it reads; a slot whose chunk moved or
-was deleted is released to its tier only when its last reader is done, so no slot is
-reused while bytes are in flight.
+threads, never under the index lock (``put`` and ``get`` return futures); a caller
+that waits on such a future before an I/O thread has begun it runs the work itself,
+which saves two thread wake-ups (:mod:`kvtier.store.executor`). Every read holds the
+slot it reads; a slot whose chunk moved or was deleted is released to its tier only when
+its last reader is done, so no slot is reused while bytes are in flight.
 
 Failures of a tier (I/O errors, corrupt bytes) never escape as exceptions: they become
 misses, a counter, an event and a rate-limited log line.
@@ -34,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -43,6 +44,7 @@ import numpy.typing as npt
 
 from kvtier.errors import ClosedError, InputError, NotDurableError, TierError
 from kvtier.keys import ChunkKey, check_keys
+from kvtier.store.executor import INLINE, Executor, InlineExecutor, StealingExecutor
 from kvtier.store.index import StoreIndex
 from kvtier.store.mover import Listener, Mover
 from kvtier.store.policy import EvictionFactory, LRUEviction, PlacementPolicy, WriteThrough
@@ -113,10 +115,8 @@ class TieredStore:
         self.placement = self._mover.placement
         self.placement.bind(self._index)
         self.promote_on_hit = promote_on_hit
-        self._pool: ThreadPoolExecutor | _InlineExecutor = (
-            ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvtier-io")
-            if io_threads > 0
-            else _InlineExecutor()
+        self._pool: Executor = (
+            StealingExecutor(io_threads, "kvtier-io") if io_threads > 0 else InlineExecutor()
         )
         self._inflight = 0
         self._idle = threading.Condition(threading.Lock())
@@ -454,7 +454,7 @@ class TieredStore:
         with self._idle:
             self._inflight += 1
         try:
-            fut = (_INLINE if inline else self._pool).submit(fn, *args)
+            fut = (INLINE if inline else self._pool).submit(fn, *args)
         except RuntimeError as exc:  # the pool was shut down by close()
             self._done(None)
             raise ClosedError("the store is closed") from exc
@@ -523,21 +523,3 @@ class Reservation:
             s._index.unclaim(self.key)
         finally:
             s._done(None)
-
-
-class _InlineExecutor:
-    """Runs each submitted call at once on the caller's thread (``io_threads=0``)."""
-
-    def submit(self, fn: Callable[..., T], /, *args: object) -> Future[T]:
-        fut: Future[T] = Future()
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as exc:  # the caller sees it through the future, as with a pool
-            fut.set_exception(exc)
-        return fut
-
-    def shutdown(self, wait: bool = True) -> None:
-        pass
-
-
-_INLINE = _InlineExecutor()

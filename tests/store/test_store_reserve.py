@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from concurrent.futures import wait
 from pathlib import Path
 
 import numpy as np
@@ -162,7 +163,10 @@ def test_gets_of_memory_hits_run_on_the_callers_thread(tmp_path: Path) -> None:
         hit = s.get([key(2)], out, inline_memory_bytes=SLOT)
         assert hit.done() and hit.result().chunks == 1 and bytes(out) == rand(SLOT, 2)
         assert s.get([key(3)], out, inline_memory_bytes=SLOT).done()  # a miss: nothing to do
-        # A read from a tier behind I/O stays on the I/O threads.
-        assert s.get([key(1)], out, inline_memory_bytes=SLOT).result().chunks == 1
+        # A read from a tier behind I/O stays on the I/O threads: waited for as the
+        # daemon's event loop does, without result(), which would run it here.
+        fut = s.get([key(1)], out, inline_memory_bytes=SLOT)
+        wait([fut], timeout=10)
+        assert fut.result().chunks == 1
         assert bytes(out) == rand(SLOT, 1)
         assert readers and all(name.startswith("kvtier-io") for name in readers)
