@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.tiers.nvme.sums import PIECE_BYTES
+
 log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
@@ -96,6 +98,10 @@ class IORequest:
             a write buffer, or returns the buffer to use. May return None.
         done: called after a successful transfer with the buffer (verify and copy out).
         release: called last whatever happened (return a pooled buffer).
+        stream: called with ``(pos, piece)`` for each piece of the transfer, in order:
+            after it lands (a read), before it goes (a write); a ``piece`` is the bytes
+            at ``pos`` of the buffer. Only engines whose :meth:`IOEngine.streams` says so
+            call it (the tier hashes chunks while they are in cache; see ``sums.py``).
     """
 
     file: int
@@ -105,6 +111,7 @@ class IORequest:
     prepare: Callable[[], Any] | None = None
     done: Callable[[Any], None] | None = None
     release: Callable[[Any], None] | None = None
+    stream: Callable[[int, Any], None] | None = None
     result: int = field(default=0)
 
 
@@ -148,6 +155,10 @@ class IOEngine(ABC):
     def read(self, reqs: Sequence[IORequest]) -> None:
         """Run every request as a read; a short read raises ``OSError(EIO)``."""
         self._run(reqs, False)
+
+    def streams(self, file: int) -> bool:
+        """Whether transfers on this file call their requests' ``stream`` per piece."""
+        return False
 
     def sync(self) -> None:
         """``fdatasync`` every file (data and the device's write cache)."""
@@ -208,6 +219,27 @@ class PosixEngine(IOEngine):
         """The one place bytes are read (tests inject EIO here)."""
         return os.preadv(fd, [buf], offset)
 
+    def streams(self, file: int) -> bool:
+        # Buffered files only: O_DIRECT transfers stay whole, as the device wants them
+        # large, and their bytes do not pass through this CPU's cache anyway.
+        return not self.direct[file]
+
+    def _move(self, req: IORequest, view: memoryview, pos: int, writing: bool) -> None:
+        """Transfer all of ``view``, the bytes at ``pos`` of the request's buffer."""
+        fd = self._fds[req.file]
+        done, end = 0, view.nbytes
+        while done < end:  # a short transfer is legal; carry on from where it stopped
+            part = view[done:]
+            at = req.offset + pos + done
+            n = self._pwrite(fd, part, at) if writing else self._pread(fd, part, at)
+            if n <= 0:
+                raise OSError(
+                    errno.EIO,
+                    f"short {'write' if writing else 'read'} at {at}"
+                    f" of {self.paths[req.file]} (truncated?)",
+                )
+            done += n
+
     def _one(self, req: IORequest, writing: bool) -> None:
         buf = req.buffer
         try:
@@ -216,23 +248,16 @@ class PosixEngine(IOEngine):
                 if got is not None:
                     buf = got
             view = memoryview(buf)[: req.nbytes]
-            fd = self._fds[req.file]
-            pos = 0
-            while pos < req.nbytes:  # a short transfer is legal; carry on from where it stopped
-                part = view[pos:]
-                n = (
-                    self._pwrite(fd, part, req.offset + pos)
-                    if writing
-                    else self._pread(fd, part, req.offset + pos)
-                )
-                if n <= 0:
-                    raise OSError(
-                        errno.EIO,
-                        f"short {'write' if writing else 'read'} at {req.offset + pos}"
-                        f" of {self.paths[req.file]} (truncated?)",
-                    )
-                pos += n
-            req.result = pos
+            stream = req.stream if self.streams(req.file) else None
+            step = PIECE_BYTES if stream is not None else max(req.nbytes, 1)
+            for pos in range(0, req.nbytes, step):
+                piece = view[pos : pos + step]
+                if writing and stream is not None:
+                    stream(pos, piece)
+                self._move(req, piece, pos, writing)
+                if not writing and stream is not None:
+                    stream(pos, piece)
+            req.result = req.nbytes
             if req.done is not None:
                 req.done(buf)
         finally:

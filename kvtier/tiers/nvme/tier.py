@@ -57,6 +57,7 @@ from kvtier.tiers.base import SlotRun, Tier, TierFaults, TierGeometry, TierProfi
 from kvtier.tiers.nvme.engine import PAGE, BufferPool, IOEngine, IORequest, is_aligned, make_engine
 from kvtier.tiers.nvme.journal import Durability, Entry, Geometry, Journal, Op
 from kvtier.tiers.nvme.options import Codec, EngineKind, Options
+from kvtier.tiers.nvme.sums import PieceSums
 from kvtier.units import align_up, format_size
 
 log = logging.getLogger(__name__)
@@ -487,6 +488,7 @@ class NVMeTier(Tier):
         use_codec = self.options.codec is not Codec.NONE
         min_ratio = self.options.codec_min_ratio
         reqs = []
+        streamed: list[tuple[int, int, PieceSums]] = []
         for f, off, j, m in pieces:
             chunk = data[j * vb : (j + m) * vb]
             if use_codec:
@@ -497,11 +499,18 @@ class NVMeTier(Tier):
                 reqs.append(req)
                 continue
             direct_ok = vb == sb and (not self.engine.direct[f] or is_aligned(chunk))
+            piece_sums = PieceSums(m, vb, sb) if self.engine.streams(f) else None
+            if piece_sums is not None:
+                streamed.append((j, m, piece_sums))
 
             def prepare(
-                chunk: npt.NDArray[Any] = chunk, j: int = j, m: int = m, direct_ok: bool = direct_ok
+                chunk: npt.NDArray[Any] = chunk,
+                j: int = j,
+                m: int = m,
+                direct_ok: bool = direct_ok,
+                hash_now: bool = piece_sums is None,
             ) -> Any:
-                for k in range(m):
+                for k in range(m if hash_now else 0):
                     sums[j + k] = _sum(chunk[k * vb : (k + 1) * vb])
                 if direct_ok:
                     return chunk
@@ -513,9 +522,22 @@ class NVMeTier(Tier):
                     dst.reshape(m, sb)[:, :vb] = chunk.reshape(m, vb)
                 return buf
 
-            reqs.append(IORequest(f, off, m * sb, prepare=prepare, release=self._release_buf))
+            reqs.append(
+                IORequest(
+                    f,
+                    off,
+                    m * sb,
+                    prepare=prepare,
+                    release=self._release_buf,
+                    stream=piece_sums.feed if piece_sums is not None else None,
+                )
+            )
         with self._io("write"):
             self.engine.write(reqs)
+        for j, m, piece_sums in streamed:  # hashed piece by piece as the engine wrote them
+            for k in range(m):
+                got = piece_sums.sum(k)
+                sums[j + k] = got if got is not None else _sum(data[(j + k) * vb :][:vb])
         self._count("media", sum(r.nbytes for r in reqs))
         entries = [
             Entry(run.offset + k, key, vb, sums[k], stored[k], codecs[k])
@@ -578,13 +600,21 @@ class NVMeTier(Tier):
             ) -> Any:
                 return target if direct_ok else self._bufs.get(n)
 
+            sums = PieceSums(m, vb, sb) if self.engine.streams(f) else None
+
             def done(
-                buf: Any, group: list[Entry | None] = group, target: npt.NDArray[Any] = target
+                buf: Any,
+                group: list[Entry | None] = group,
+                target: npt.NDArray[Any] = target,
+                sums: PieceSums | None = sums,
             ) -> None:
                 src = np.frombuffer(buf, dtype=np.uint8)
                 for k, e in enumerate(group):
                     assert e is not None
-                    if _sum(src[k * sb : k * sb + vb]) != e.checksum:
+                    got = sums.sum(k) if sums is not None else None
+                    if got is None:
+                        got = _sum(src[k * sb : k * sb + vb])
+                    if got != e.checksum:
                         self._count("corrupt")
                         raise CorruptChunkError(
                             f"nvme tier {self.name}: chunk {e.key.hex()} at slot {e.slot}"
@@ -599,7 +629,15 @@ class NVMeTier(Tier):
                         )[:, :vb]
 
             reqs.append(
-                IORequest(f, off, nbytes, prepare=prepare, done=done, release=self._release_buf)
+                IORequest(
+                    f,
+                    off,
+                    nbytes,
+                    prepare=prepare,
+                    done=done,
+                    release=self._release_buf,
+                    stream=sums.feed if sums is not None else None,
+                )
             )
         with self._io("read"):
             self.engine.read(reqs)
