@@ -147,6 +147,9 @@ class ServiceConfig:
     # together; past it a request is answered 503 with Retry-After. At least
     # max_body_bytes.
     max_inflight_bytes: int = 1 * GiB
+    # Seconds a request that does not fit in max_inflight_bytes waits (in arrival order,
+    # before its body is read) for others to finish; then 503. 0: refuse at once.
+    inflight_wait_s: float = 2.0
     # Largest request head (request line and headers), in bytes; larger: 431.
     max_header_bytes: int = 32 * 1024
     # Seconds a client may take to send a request's head; slower: the connection closes.
@@ -435,6 +438,8 @@ def _validate_service(s: ServiceConfig) -> None:
         raise ConfigError("service.data_capacity_bytes", s.data_capacity_bytes, "a positive size")
     if s.shutdown_timeout_s < 0:
         raise ConfigError("service.shutdown_timeout_s", s.shutdown_timeout_s, "a number >= 0")
+    if not 0 <= s.inflight_wait_s <= 600:
+        raise ConfigError("service.inflight_wait_s", s.inflight_wait_s, "a number in [0, 600]")
     if s.max_inflight_bytes < s.max_body_bytes:
         raise ConfigError(
             "service.max_inflight_bytes",

@@ -85,7 +85,7 @@ class Daemon:
         self.limits = Limits(max_value, s.max_body_bytes, s.max_batch_keys)
         # GET bodies: reused, already faulted-in buffers of one value (see buffers.py).
         self.values = ValueBuffers(max_value + wire.table_bytes(1))
-        self.budget = Budget(s.max_inflight_bytes)
+        self.budget = Budget(s.max_inflight_bytes, s.inflight_wait_s)
         self.auth = Authenticator(s.tokens)
         salt = s.key_salt
         if not salt and s.data_dir:

@@ -10,7 +10,8 @@
    ``PUT /v1/chunks``, ``service.max_body_bytes`` for a batch put, and what
    ``service.max_batch_keys`` keys can take for the JSON routes;
 4. room in the byte budget that bounds every body in flight together
-   (``service.max_inflight_bytes``): past it, 503 with ``Retry-After``.
+   (``service.max_inflight_bytes``): a request that does not fit waits up to
+   ``service.inflight_wait_s`` for room, then 503 with ``Retry-After``.
 
 A body without a declared length (chunked) is counted as it arrives, against the same
 limit and the same budget. Routes that allocate a response buffer (batch get) take it
@@ -81,7 +82,7 @@ class Gate:
             what = f"body of {declared} B; the limit is {limit} B ({setting})"
             await send_error(send, ErrorReply(413, "body_too_large", what))
             return
-        if declared and not budget.take(declared):
+        if declared and not await budget.acquire(declared):
             refused = reply_for(busy(budget))
             assert refused is not None
             await send_error(send, refused)

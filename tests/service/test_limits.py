@@ -247,3 +247,30 @@ backoff_max_s = 120.0
             assert 'kvtier_tier_up{tier="host",kind="host"} 1' in h.get("/metrics").text
     finally:
         os.kill(fresh_redis.proc.pid, signal.SIGCONT)
+
+
+def test_a_request_over_the_bound_waits_for_room(limited: Daemon) -> None:
+    """A put that does not fit waits (service.inflight_wait_s, 2 s by default) and is
+    served once the request holding the bytes ends; before, it was refused at once."""
+    auth = f"Authorization: Bearer {TOKENS['alice']}\r\n".encode()
+    held = _send_head(
+        limited,
+        b"POST /v1/batch/put HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Length: 3670016\r\n\r\n",
+        b"\0" * 1000,
+    )
+    with httpx.Client(base_url=limited.url, headers=limited.headers("alice")) as h:
+        try:
+            deadline = time.monotonic() + 30
+            while "kvtier_http_requests_in_flight 2" not in h.get("/metrics").text:
+                assert time.monotonic() < deadline, "the held request never arrived"
+                time.sleep(0.05)
+            release = threading.Timer(0.3, held.close)  # the holder goes away mid-wait
+            release.start()
+            k = key()
+            value = os.urandom(MiB)
+            r = h.put(f"/v1/chunks/{k}", content=value)  # 3.5 + 1 > 4 MiB until then
+            release.join()
+            assert r.status_code == 200, r.text
+            assert h.get(f"/v1/chunks/{k}").content == value
+        finally:
+            held.close()
