@@ -121,6 +121,9 @@ def make_contenders(
             port=servers.redis_port,
             max_connections=max(concurrency, 4),
             timeout=120,
+            # redis-py 8 cuts a socket write at 5 s by default; 64 clients' 32 MiB sets
+            # queue longer than that on one server thread. The same 120 s as kvtier's.
+            socket_timeout=120,
         )
     )
 
