@@ -157,13 +157,17 @@ class KVTierStoragePlugin(StoragePluginInterface):  # type: ignore[misc]  # LMCa
         on_complete_callback: Callable[[CacheEngineKey], None] | None = None,
     ) -> list[Future[PutResult]]:
         futures: list[Future[PutResult]] = []
-        for key, obj in zip(keys, objs, strict=True):
+        ks = [engine_key(k) for k in keys]
+        for i, (key, obj) in enumerate(zip(keys, objs, strict=True)):
             # LMCache drops its reference when this returns: hold one until the copy.
             obj.ref_count_up()
             with self._lock:
                 self._put_tasks.add(key)
             try:
-                fut = self.store.put([engine_key(key)], obj.byte_array.cast("B"))
+                # The chunks before it in this batch are the same prompt's head: protected
+                # while this put makes room, so a prompt longer than the store keeps its
+                # head (which lookups can hit) rather than its tail (which they never can).
+                fut = self.store.put([ks[i]], obj.byte_array.cast("B"), prefix=ks[:i])
             except KVTierError as exc:
                 log.warning("kvtier storage plug-in: store of %s refused: %s", key, exc)
                 self._put_done(key, obj, None)

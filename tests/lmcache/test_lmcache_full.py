@@ -118,3 +118,41 @@ def test_remote_to_a_daemon_on_a_full_disk_misses_with_a_reason_while_lmcache_se
             assert n == FULL and _equal(out, kv, n)
     finally:
         d.stop()
+
+
+def test_plugin_on_a_store_full_by_capacity_keeps_a_prefix_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Full by capacity, not by disk: one host tier of two slots under a four-chunk
+    prompt. The store keeps what fits of the prompt's head (a sequence never pushes out
+    its own head), says why it dropped the rest, and never serves a wrong byte."""
+    cfg = tmp_path / "kvtier.toml"
+    slot = CHUNK * TOKEN_BYTES
+    cfg.write_text(
+        "\n".join(
+            [
+                "[[tiers]]",
+                'kind = "host"',
+                f"capacity_bytes = {2 * slot}",
+                'pin = "off"',
+                "",
+                "[store]",
+                'placement = "keep"',
+                "",
+            ]
+        )
+    )
+    tokens, kv = prompt(23, N_TOKENS)
+    caplog.set_level(logging.WARNING, logger="kvtier")
+    with engine(plugin_config(str(cfg))) as e:
+        assert PLUGIN in e.backends()
+        e.store(tokens, kv)
+        held = e.wait_stored(tokens, PLUGIN, timeout_s=3)
+        assert 0 < held < FULL, held  # the head that fits, not the whole prompt
+        assert any("was not kept" in r.getMessage() for r in caplog.records), caplog.text
+        n, out = e.retrieve(tokens)  # LMCache's own copy still serves all of it
+        assert n == FULL and _equal(out, kv, n)
+        e.drop_local(tokens)
+        assert e.lookup(tokens) == held
+        n, out = e.retrieve(tokens)
+        assert n == held and _equal(out, kv, n)
