@@ -438,14 +438,14 @@ def _validate_service(s: ServiceConfig) -> None:
         raise ConfigError("service.data_capacity_bytes", s.data_capacity_bytes, "a positive size")
     if s.shutdown_timeout_s < 0:
         raise ConfigError("service.shutdown_timeout_s", s.shutdown_timeout_s, "a number >= 0")
-    if not 0 <= s.inflight_wait_s <= 600:
-        raise ConfigError("service.inflight_wait_s", s.inflight_wait_s, "a number in [0, 600]")
     if s.max_inflight_bytes < s.max_body_bytes:
         raise ConfigError(
             "service.max_inflight_bytes",
             s.max_inflight_bytes,
             f"at least service.max_body_bytes ({s.max_body_bytes})",
         )
+    if not 0 <= s.inflight_wait_s <= 600:  # seconds a request may wait for that bound
+        raise ConfigError("service.inflight_wait_s", s.inflight_wait_s, "a number in [0, 600]")
     if s.socket_max_region_bytes < 4096:
         raise ConfigError(
             "service.socket_max_region_bytes", s.socket_max_region_bytes, "at least 4KiB"

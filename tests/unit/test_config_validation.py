@@ -28,6 +28,8 @@ def _raw(**tier: object) -> dict[str, object]:
         ({"base": _raw(capacity_bytes=1e30)}, "tiers.0.capacity_bytes"),
         ({"overrides": ["service.shutdown_timeout_s=nan"]}, "service.shutdown_timeout_s"),
         ({"overrides": ["service.shutdown_timeout_s=inf"]}, "service.shutdown_timeout_s"),
+        ({"overrides": ["service.inflight_wait_s=-1"]}, "service.inflight_wait_s"),
+        ({"overrides": ["service.inflight_wait_s=nan"]}, "service.inflight_wait_s"),
         ({"env": {"KVTIER_LOG_LEVEL__X__Y": "1"}}, "KVTIER_LOG_LEVEL__X__Y"),
         ({"overrides": ["tiers.100000000.kind=host"]}, "--set tiers.100000000.kind"),
         ({"overrides": ["tiers.0.name=../escaped"]}, "tiers.0.name"),
