@@ -267,9 +267,6 @@ class PosixEngine(IOEngine):
     def _run(self, reqs: Sequence[IORequest], writing: bool) -> None:
         if self._closed:
             raise OSError(errno.EBADF, "engine closed")
-        if len(reqs) == 1:  # no hand-off for the common single-piece case
-            self._one(reqs[0], writing)
-            return
         futs: list[Future[None]] = []
         inline: list[IORequest] = []
         for r in reqs[:-1]:
@@ -282,8 +279,8 @@ class PosixEngine(IOEngine):
                     # an exit hook (vLLM's engine finalizer) still persists: run the rest here.
                     pass
             inline.append(r)
-        # The last request runs on this thread, which would otherwise only wait: one
-        # hand-off fewer, and this core moves bytes too.
+        # The last request (the only one, often) runs on this thread, which would
+        # otherwise only wait: one hand-off fewer, and this core moves bytes too.
         inline.append(reqs[-1])
         first: BaseException | None = None
         for r in inline:

@@ -53,8 +53,10 @@ class PieceSums:
             self._hashes[k].update(view[lo - pos : hi - pos])
             self._done[k] += hi - lo
 
-    def sum(self, k: int) -> int | None:
-        """Chunk ``k``'s sum, or None when its bytes did not all come through :meth:`feed`."""
+    def sum(self, k: int, whole: Any) -> int:
+        """Chunk ``k``'s sum: the streamed one, or, when its bytes did not all come
+        through :meth:`feed` (an engine that does not stream), that of ``whole``, the
+        chunk's bytes."""
         if self._done[k] != self._value_bytes:
-            return None
+            return xxhash.xxh3_64_intdigest(memoryview(whole))
         return self._hashes[k].intdigest()

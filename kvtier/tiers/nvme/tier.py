@@ -499,8 +499,9 @@ class NVMeTier(Tier):
                 reqs.append(req)
                 continue
             direct_ok = vb == sb and (not self.engine.direct[f] or is_aligned(chunk))
-            piece_sums = PieceSums(m, vb, sb) if self.engine.streams(f) else None
-            if piece_sums is not None:
+            streaming = self.engine.streams(f)
+            piece_sums = PieceSums(m, vb, sb)
+            if streaming:
                 streamed.append((j, m, piece_sums))
 
             def prepare(
@@ -508,10 +509,11 @@ class NVMeTier(Tier):
                 j: int = j,
                 m: int = m,
                 direct_ok: bool = direct_ok,
-                hash_now: bool = piece_sums is None,
+                streaming: bool = streaming,
             ) -> Any:
-                for k in range(m if hash_now else 0):
-                    sums[j + k] = _sum(chunk[k * vb : (k + 1) * vb])
+                if not streaming:  # hashed here, on the engine's thread, before the write
+                    for k in range(m):
+                        sums[j + k] = _sum(chunk[k * vb : (k + 1) * vb])
                 if direct_ok:
                     return chunk
                 buf = self._bufs.get(m * sb)
@@ -529,15 +531,14 @@ class NVMeTier(Tier):
                     m * sb,
                     prepare=prepare,
                     release=self._release_buf,
-                    stream=piece_sums.feed if piece_sums is not None else None,
+                    stream=piece_sums.feed if streaming else None,
                 )
             )
         with self._io("write"):
             self.engine.write(reqs)
         for j, m, piece_sums in streamed:  # hashed piece by piece as the engine wrote them
             for k in range(m):
-                got = piece_sums.sum(k)
-                sums[j + k] = got if got is not None else _sum(data[(j + k) * vb :][:vb])
+                sums[j + k] = piece_sums.sum(k, data[(j + k) * vb :][:vb])
         self._count("media", sum(r.nbytes for r in reqs))
         entries = [
             Entry(run.offset + k, key, vb, sums[k], stored[k], codecs[k])
@@ -600,21 +601,18 @@ class NVMeTier(Tier):
             ) -> Any:
                 return target if direct_ok else self._bufs.get(n)
 
-            sums = PieceSums(m, vb, sb) if self.engine.streams(f) else None
+            piece_sums = PieceSums(m, vb, sb)
 
             def done(
                 buf: Any,
                 group: list[Entry | None] = group,
                 target: npt.NDArray[Any] = target,
-                sums: PieceSums | None = sums,
+                piece_sums: PieceSums = piece_sums,
             ) -> None:
                 src = np.frombuffer(buf, dtype=np.uint8)
                 for k, e in enumerate(group):
                     assert e is not None
-                    got = sums.sum(k) if sums is not None else None
-                    if got is None:
-                        got = _sum(src[k * sb : k * sb + vb])
-                    if got != e.checksum:
+                    if piece_sums.sum(k, src[k * sb : k * sb + vb]) != e.checksum:
                         self._count("corrupt")
                         raise CorruptChunkError(
                             f"nvme tier {self.name}: chunk {e.key.hex()} at slot {e.slot}"
@@ -636,7 +634,7 @@ class NVMeTier(Tier):
                     prepare=prepare,
                     done=done,
                     release=self._release_buf,
-                    stream=sums.feed if sums is not None else None,
+                    stream=piece_sums.feed if self.engine.streams(f) else None,
                 )
             )
         with self._io("read"):

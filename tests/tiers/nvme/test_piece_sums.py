@@ -22,17 +22,20 @@ def test_pieces_in_order_give_each_chunks_whole_hash(piece: int) -> None:
     sums = PieceSums(m, vb, sb)
     for pos in range(0, buf.nbytes, piece):
         sums.feed(pos, buf[pos : pos + piece])
-    assert [sums.sum(k) for k in range(m)] == [
+    # No fallback bytes given: only the streamed sums can match.
+    assert [sums.sum(k, b"") for k in range(m)] == [
         xxhash.xxh3_64_intdigest(buf[k * sb : k * sb + vb]) for k in range(m)
     ]
 
 
-def test_missing_or_reordered_pieces_give_no_sum() -> None:
+def test_missing_or_reordered_pieces_give_no_streamed_sum() -> None:
     buf = np.random.default_rng(0).integers(0, 256, 2 * SLOT, dtype=np.uint8)
     sums = PieceSums(2, SLOT, SLOT)
     sums.feed(SLOT + 100, buf[SLOT + 100 : 2 * SLOT])  # chunk 1 starts mid-way
     sums.feed(0, buf[:1000])  # chunk 0 only partly
-    assert sums.sum(0) is None and sums.sum(1) is None
+    # Neither chunk was streamed whole: each sum is the hash of the bytes given instead.
+    assert sums.sum(0, b"zero") == xxhash.xxh3_64_intdigest(b"zero")
+    assert sums.sum(1, b"one") == xxhash.xxh3_64_intdigest(b"one")
 
 
 @pytest.fixture
