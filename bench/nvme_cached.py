@@ -10,7 +10,8 @@ one deleted first). The baseline is what LocalDiskBackend does: one file per chu
 ``readinto`` (or ``write``) on one thread per chunk, no checksum. Both work on files
 whose pages are in the page cache, in the same temporary directory, interleaved run by
 run; the CPU caches are evicted before every timed call (a read of twice the last-level
-cache). Every read is compared byte for byte.
+cache). After the timed runs, each contender's last get and last put are read back and
+compared byte for byte (outside the timing: a compare would cost as much as the read).
 
 So the ratio is what the tier's index, engine and checksum cost over bare reads and
 writes of the same bytes from memory. Put ``--dir`` anywhere but the user's data
@@ -20,6 +21,7 @@ directory (default: a temporary directory, removed afterwards).
 from __future__ import annotations
 
 import argparse
+import itertools
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -61,15 +63,12 @@ def run(directory: Path, chunks: int, chunk_bytes: int, repeat: int) -> list[dic
         paths = [directory / "files" / f"chunk{i}.bin" for i in range(chunks)]
         for i, p in enumerate(paths):
             p.write_bytes(src[i * chunk_bytes : (i + 1) * chunk_bytes].tobytes())
-        counter = [1 << 20]
-        fresh: list[list[ChunkKey]] = [[]]
-
-        def part(i: int) -> memoryview:
-            return dst[i * chunk_bytes : (i + 1) * chunk_bytes].data
+        batches = itertools.count(1 << 20)
+        fresh: list[list[ChunkKey]] = [[]]  # the last put's keys
 
         def read_file(i: int) -> None:
             with open(paths[i], "rb") as f:
-                f.readinto(part(i))
+                f.readinto(dst[i * chunk_bytes : (i + 1) * chunk_bytes].data)
 
         def write_file(i: int) -> None:
             with open(paths[i], "wb") as f:
@@ -81,10 +80,8 @@ def run(directory: Path, chunks: int, chunk_bytes: int, repeat: int) -> list[dic
 
         def tier_put() -> None:
             store.delete(fresh[0])
-            counter[0] += 1
-            fresh[0] = [
-                ChunkKey((counter[0] * 64 + i).to_bytes(16, "little")) for i in range(chunks)
-            ]
+            b = next(batches)
+            fresh[0] = [ChunkKey((b * 64 + i).to_bytes(16, "little")) for i in range(chunks)]
             assert store.put(fresh[0], src).result().stored == chunks
 
         def files_get() -> None:
@@ -97,13 +94,15 @@ def run(directory: Path, chunks: int, chunk_bytes: int, repeat: int) -> list[dic
         rows = []
         for op, mine, theirs in (("get", tier_get, files_get), ("put", tier_put, files_put)):
             s = interleaved({"tier": mine, "files": theirs}, repeat=repeat, warmup=2, before=flush)
+            dst[:] = 0
             if op == "get":
                 tier_get()
-                verified = bool(np.array_equal(dst, src))
-                files_get()
-                verified &= bool(np.array_equal(dst, src))
-            else:
-                verified = True
+            else:  # what the last timed put left in the tier
+                assert store.get(fresh[0], dst).result().chunks == chunks
+            verified = bool(np.array_equal(dst, src))
+            dst[:] = 0
+            files_get()  # after files_put: what it wrote
+            verified &= bool(np.array_equal(dst, src))
             rows.append(
                 {
                     "op": op,
