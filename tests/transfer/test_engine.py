@@ -325,8 +325,34 @@ def test_bad_inputs_are_refused():
     eng = TransferEngine("cpu")
     with pytest.raises(InputError, match="span"):
         eng.store(kv, [0, BLOCKS], torch.empty(kv.nbytes(2), dtype=torch.uint8))
+    # Ids past int32 (packed by the C helper otherwise) and negative ones are named too.
+    with pytest.raises(InputError, match="span"):
+        eng.store(kv, (1, 1 << 40), torch.empty(kv.nbytes(2), dtype=torch.uint8))
+    with pytest.raises(InputError, match="span"):
+        eng.store(kv, [-1, 2], torch.empty(kv.nbytes(2), dtype=torch.uint8))
+    with pytest.raises(InputError, match="one-dimensional"):
+        eng.store(kv, [[1], [2]], torch.empty(kv.nbytes(2), dtype=torch.uint8))
     with pytest.raises(InputError, match="twice"):
         eng.load(torch.empty(kv.nbytes(2), dtype=torch.uint8), kv, [4, 4])
+    with pytest.raises(InputError, match="twice"):
+        eng.load(torch.empty(kv.nbytes(2), dtype=torch.uint8), kv, (3, 3))
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [[5, 0, 3], (5, 0, 3), torch.tensor([5, 0, 3]), torch.tensor([5, 0, 3], dtype=torch.int32)],
+    ids=["list", "tuple", "int64 tensor", "int32 tensor"],
+)
+def test_every_form_of_block_ids_moves_the_same_blocks(ids):
+    layers = _make(Layout.LBHNC, torch.bfloat16, "cpu")
+    _fill_random(layers, 11)
+    kv = PagedKV(layers)
+    eng = TransferEngine("cpu")
+    ref = torch.empty(kv.nbytes(3), dtype=torch.uint8)
+    eng.store(kv, torch.tensor([5, 0, 3]), ref).wait()
+    got = torch.empty_like(ref)
+    eng.store(kv, ids, got).wait()
+    assert torch.equal(got, ref)
     with pytest.raises(InputError, match="bytes"):
         eng.store(kv, [1, 2], torch.empty(kv.nbytes(2) - 1, dtype=torch.uint8))
     with pytest.raises(InputError, match="uint8"):
