@@ -156,3 +156,42 @@ def test_plugin_on_a_store_full_by_capacity_keeps_a_prefix_and_says_why(
         assert e.lookup(tokens) == held
         n, out = e.retrieve(tokens)
         assert n == held and _equal(out, kv, n)
+
+
+def test_remote_to_a_daemon_full_by_capacity_keeps_a_prefix(tmp_path: Path) -> None:
+    """The remote plug-in's counterpart: a daemon whose one host tier holds two of the
+    prompt's four chunks keeps a head of the prompt, never a tail it cannot serve."""
+    cfg = tmp_path / "kvtier.toml"
+    slot = CHUNK * TOKEN_BYTES
+    cfg.write_text(
+        "\n".join(
+            [
+                "[[tiers]]",
+                'kind = "host"',
+                f"capacity_bytes = {2 * slot}",
+                'pin = "off"',
+                "",
+                "[store]",
+                'placement = "keep"',
+                "",
+                "[service]",
+                f"max_value_bytes = {slot}",
+                'data_dir = ""',  # memory only: no nvme tier under the user's data directory
+                "",
+            ]
+        )
+    )
+    d = start_daemon(tmp_path, "--config", str(cfg), small=False)
+    tokens, kv = prompt(24, N_TOKENS)
+    try:
+        with engine(remote_config(d.url)) as e:
+            assert REMOTE in e.backends()
+            e.store(tokens, kv)
+            held = e.wait_stored(tokens, REMOTE, timeout_s=3)
+            assert 0 < held < FULL, held
+            e.drop_local(tokens)
+            assert e.lookup(tokens) == held
+            n, out = e.retrieve(tokens)
+            assert n == held and _equal(out, kv, n)
+    finally:
+        d.stop()
