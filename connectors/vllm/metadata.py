@@ -51,11 +51,15 @@ class SaveOp:
             reports it in ``finished_sending``.
         keys: logical keys of the chunks.
         block_ids: their blocks, ``blocks_per_chunk`` per key, in order.
+        prefix: logical keys of the request's earlier chunks (saved by earlier steps,
+            loaded, or already stored): the put protects them while it makes room, so a
+            prompt longer than the store keeps its head, not a tail no lookup reaches.
     """
 
     req_id: str
     keys: tuple[bytes, ...]
     block_ids: tuple[int, ...]
+    prefix: tuple[bytes, ...] = ()
 
 
 @dataclass

@@ -380,7 +380,9 @@ class SchedulerSide:
             self._open_steps[self._step] = self._open_steps.get(self._step, 0) + 1
         st.next_chunk = n_full
         if keys:
-            meta.saves.append(SaveOp(req.request_id, tuple(keys), tuple(blocks)))
+            saving = set(keys)
+            prefix = tuple(k for k in st.keys[:n_full] if k not in saving)
+            meta.saves.append(SaveOp(req.request_id, tuple(keys), tuple(blocks), prefix))
             st.had_saves = True
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:

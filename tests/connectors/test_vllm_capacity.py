@@ -1,0 +1,77 @@
+"""A prompt longer than the whole store, saved over several prefill steps (real vLLM CPU).
+
+Chunked prefill saves a long prompt a few chunks per step. With the store full of that
+prompt's own head, each later step has to make room: had it evicted the head (the least
+recently used chunks), the store would end with the prompt's tail, which no prefix
+lookup ever reaches. The connector names the request's earlier chunks as the put's
+prefix, so the store keeps the head and declines the tail; the next identical prompt
+hits the head, and its output equals a recompute.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests.connectors.conftest import (
+    CHUNK,
+    ENV,
+    HOST_BYTES,
+    Engine,
+    kv_transfer_config,
+    prompt,
+    tiny_llm,
+)
+
+pytest.importorskip("vllm")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+STORE_CHUNKS = HOST_BYTES // (64 << 10)  # 32 chunks of 64 tokens: 2048 tokens
+STEP_TOKENS = 4 * CHUNK  # chunked prefill: 4 chunks computed (and saved) per step
+
+
+@pytest.fixture(scope="module")
+def small_steps(tiny_model: str) -> Iterator[Engine]:
+    saved = {k: os.environ.get(k) for k in ENV}
+    os.environ.update(ENV)
+    llm = tiny_llm(
+        tiny_model,
+        kv_transfer_config(),
+        max_model_len=4096,
+        max_num_batched_tokens=STEP_TOKENS,
+        enable_chunked_prefill=True,
+    )
+    try:
+        yield Engine(llm)
+    finally:
+        shutdown = getattr(llm.llm_engine.engine_core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        del llm
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_a_prompt_longer_than_the_store_keeps_its_head(small_steps: Engine) -> None:
+    engine = small_steps
+    n_chunks = STORE_CHUNKS + 12
+    p = prompt(300, n_chunks * CHUNK + 5)
+    ref = engine.generate(p, cache_salt="capacity-ref").tokens  # a recompute, salted apart
+    before = engine.totals()
+    first = engine.generate(p)
+    second = engine.generate(p)
+    after = engine.totals()
+
+    saves = after.get("save_chunks", 0) - before.get("save_chunks", 0)
+    assert first.num_cached_tokens == 0
+    # The head that fits, not the tail: a store holding only the tail would give 0.
+    assert second.num_cached_tokens >= (STORE_CHUNKS // 2) * CHUNK, (second, saves)
+    assert second.num_cached_tokens < n_chunks * CHUNK
+    assert second.tokens == first.tokens == ref
+    assert after.get("load_failed_blocks", 0) == before.get("load_failed_blocks", 0)
