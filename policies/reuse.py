@@ -35,6 +35,10 @@ from kvtier.keys import ChunkKey
 MAX_CLASS = 3
 """References beyond this share one class: the evidence saturates."""
 
+MAX_EXPECTED_REUSES = 64.0
+"""Cap on a chunk's expected further references: a class whose learned probability
+nears 1 would otherwise promise unbounded reuse."""
+
 
 @dataclass(frozen=True, slots=True)
 class ReuseStats:
@@ -77,7 +81,9 @@ class ReuseTracker:
         self._prior = prior
         self._resolved = [0] * (MAX_CLASS + 1)
         self._reused = [0] * (MAX_CLASS + 1)
-        self._table = [self._p(c) for c in range(MAX_CLASS + 1)]
+        self._table: list[float] = []
+        self._expected: list[float] = []
+        self._refresh()
         # Victim episodes: key -> (time it was a victim, class); resolved like classes.
         self._victims: dict[ChunkKey, tuple[float, int]] = {}
         self._victim_queue: deque[tuple[float, ChunkKey]] = deque()
@@ -85,6 +91,21 @@ class ReuseTracker:
         self._v_reused = [0] * (MAX_CLASS + 1)
         self.min_victim_samples = 100
         self.ghost_hits = 0
+
+    def _refresh(self) -> None:
+        """Recompute the class table and the expected further references per class."""
+        self._table = [self._p(c) for c in range(MAX_CLASS + 1)]
+        # A chunk of class c is referenced again with p_c, then is of class c + 1 (the
+        # last class keeps its p): E_c = p_c (1 + E_c+1), and E_max = p / (1 - p).
+        p_max = self._table[MAX_CLASS]
+        tail = (
+            MAX_EXPECTED_REUSES if p_max >= 1.0 else min(p_max / (1 - p_max), MAX_EXPECTED_REUSES)
+        )
+        expected = [0.0] * (MAX_CLASS + 1)
+        expected[MAX_CLASS] = tail
+        for c in range(MAX_CLASS - 1, -1, -1):
+            expected[c] = min(self._table[c] * (1 + expected[c + 1]), MAX_EXPECTED_REUSES)
+        self._expected = expected
 
     def _p(self, c: int) -> float:
         a, b = self._prior
@@ -101,7 +122,7 @@ class ReuseTracker:
                 self._resolved[min(n, MAX_CLASS)] += 1
                 changed = True
         if changed:
-            self._table = [self._p(c) for c in range(MAX_CLASS + 1)]
+            self._refresh()
         vq, victims = self._victim_queue, self._victims
         while vq and now - vq[0][0] > horizon:
             t, key = vq.popleft()
@@ -136,7 +157,7 @@ class ReuseTracker:
         while len(refs) > self._max_tracked:
             refs.popitem(last=False)
         if changed:
-            self._table = [self._p(c) for c in range(MAX_CLASS + 1)]
+            self._refresh()
 
     def victims(self, keys: Iterable[ChunkKey]) -> None:
         """These keys were chosen as eviction victims (their outcome is learned)."""
@@ -193,6 +214,19 @@ class ReuseTracker:
         n = state[0]
         return self._table[n if n < MAX_CLASS else MAX_CLASS]
 
+    def expected_reuses(self, keys: Iterable[ChunkKey]) -> tuple[float, int]:
+        """Sum of the expected further references of ``keys`` (by class, chained: each
+        reference moves a chunk up a class), and how many keys there were."""
+        refs, expected = self._refs, self._expected
+        total = 0.0
+        n = 0
+        for key in keys:
+            state = refs.get(key)
+            c = 1 if state is None else min(max(state[0], 1), MAX_CLASS)
+            total += expected[c]
+            n += 1
+        return total, n
+
     def mean_probability(self, keys: Iterable[ChunkKey]) -> tuple[float, int]:
         """Sum of reuse probabilities of ``keys``, and how many there were."""
         refs, table = self._refs, self._table
@@ -211,7 +245,5 @@ class ReuseTracker:
             ghosts=len(self._ghosts),
             ghost_hits=self.ghost_hits,
             class_probability=tuple(self.class_probability(c) for c in range(1, MAX_CLASS + 1)),
-            victim_probability=tuple(
-                self.victim_probability(c) for c in range(1, MAX_CLASS + 1)
-            ),
+            victim_probability=tuple(self.victim_probability(c) for c in range(1, MAX_CLASS + 1)),
         )

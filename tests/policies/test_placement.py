@@ -186,6 +186,63 @@ def test_promotion_from_a_wearing_tier_weighs_the_rewrite() -> None:
         store.close()
 
 
+def _learned_tracker(clock: Clock) -> tuple[ReuseTracker, ChunkKey]:
+    """A tracker that has seen one chunk referenced 200 times (class 3: reused nearly
+    always) and 300 chunks referenced once, never again (class 1: almost never)."""
+    tracker = ReuseTracker(clock=clock, horizon_s=600.0)
+    hot = key(10_000)
+    for _ in range(200):
+        clock.t += 1.0
+        tracker.reference([hot])
+    tracker.reference([key(20_000 + i) for i in range(300)])
+    clock.t += 601.0
+    tracker.reference([hot])  # expires the 300 as failures; hot stays in class 3
+    return tracker, hot
+
+
+def test_expected_reuses_chain_the_classes() -> None:
+    tracker, hot = _learned_tracker(Clock())
+    p3 = tracker.class_probability(3)
+    assert p3 >= 0.99
+    hits, n = tracker.expected_reuses([hot])
+    assert n == 1 and hits == 64.0  # p / (1 - p) = 99, capped
+    cold, _ = tracker.expected_reuses([key(30_000)])  # never seen: class 1
+    assert cold < 1.0  # class 1 reuses almost never: well under one more hit
+    fresh = ReuseTracker(clock=Clock())
+    assert fresh.expected_reuses([hot]) == (1.0, 1)  # prior p = 1/2 per class: one more
+
+
+def test_a_chunk_hit_again_and_again_moves_into_free_room_where_one_hit_would_not_pay() -> None:
+    """Promotion weighs the wear of one rewrite against the time it saves. Priced so that
+    one hit saves an eighth of the rewrite: into free room (it displaces nothing) a chunk
+    hit 200 times moves up on the hits to come, a rarely reused one stays down; into a
+    full top tier only the next hit counts (it would evict a chunk whose own hits are
+    lost), and the hot chunk stays down too."""
+    clock = Clock()
+    tracker, hot = _learned_tracker(clock)
+    profiles = [DDR5_HOST, replace(NVME_GEN5_TLC, name="ssd")]
+    sizes = [4 * VALUE, 16 * VALUE]
+    probe = CostAwarePlacement(profiles, sizes, Economics(VALUE, recompute_s=1.0, value_per_s=1.0),
+                               clock=clock)
+    rewrite = probe._wear[1] * probe.pressure(1)
+    saved_per_hit_per_dollar = probe._load[1] - probe._load[0]
+    value_per_s = rewrite / saved_per_hit_per_dollar / 8
+    assert rewrite > 0
+    assert tracker.class_probability(3) * saved_per_hit_per_dollar * value_per_s < rewrite
+    econ = Economics(chunk_bytes=VALUE, recompute_s=1.0, value_per_s=value_per_s)
+    placement = CostAwarePlacement(profiles, sizes, econ, tracker=tracker, clock=clock)
+    host = HostTier(TierGeometry("host", sizes[0], VALUE, MAX_EXTENT), Options(pin=Switch.OFF))
+    ssd = HostTier(TierGeometry("ssd", sizes[1], VALUE, MAX_EXTENT), Options(pin=Switch.OFF))
+    with TieredStore([host, ssd], placement=placement, io_threads=0) as store:
+        assert store.tiers[0].free_slots == 4
+        assert placement.should_promote(1, [hot])
+        assert not placement.should_promote(1, [key(30_000)])
+        for i in range(4):  # fill the top tier
+            store.put([key(40_000 + i)], value(i)).result()
+        assert store.tiers[0].free_slots == 0
+        assert not placement.should_promote(1, [hot])
+
+
 def test_placement_for_live_tiers_budgets_the_ssd_only() -> None:
     from kvtier.policies.wiring import placement_for_tiers
     from kvtier.spec import PRESETS
