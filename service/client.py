@@ -412,16 +412,31 @@ class Client(_Base[httpx.BaseTransport]):
         )
 
     def put_many(
-        self, keys: Sequence[KeyLike], values: Sequence[bytes | bytearray | memoryview]
+        self,
+        keys: Sequence[KeyLike],
+        values: Sequence[bytes | bytearray | memoryview],
+        *,
+        prefix: Sequence[KeyLike] = (),
     ) -> PutResult:
-        """Store values in as few batch requests as the limits allow."""
+        """Store values in as few batch requests as the limits allow.
+
+        ``prefix``: keys of the sequence's chunks before ``keys``, which the daemon keeps
+        from eviction while it makes room for these (a sequence longer than the store
+        then keeps its head). Honoured over the same-host channel; the HTTP API takes
+        no prefix yet, so over HTTP it is dropped.
+        """
 
         def over_http() -> PutResult:
             if len(keys) == 1 and len(values) == 1:
                 return self._run(p.op_put(keys[0], values[0]))
             return self._run(self._put_many(keys, values))
 
-        return self._either(lambda shm: shm.put([p.raw_key(k) for k in keys], values), over_http)
+        return self._either(
+            lambda shm: shm.put(
+                [p.raw_key(k) for k in keys], values, [p.raw_key(k) for k in prefix]
+            ),
+            over_http,
+        )
 
     def get_many(self, keys: Sequence[KeyLike]) -> list[bytes]:
         """The values of the leading run of present keys."""

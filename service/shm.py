@@ -327,7 +327,7 @@ class SameHostServer:
     ) -> Tenant | None:
         if len(msg) < w.REQUEST.size:
             raise Refused(w.Status.BAD_REQUEST, f"a frame of {len(msg)} B; the header is longer")
-        magic, op_raw, _, region, count, _, offset, length = w.REQUEST.unpack_from(msg)
+        magic, op_raw, _, region, count, extra, offset, length = w.REQUEST.unpack_from(msg)
         if magic != w.MAGIC:
             raise Refused(w.Status.BAD_REQUEST, "bad magic")
         try:
@@ -349,6 +349,7 @@ class SameHostServer:
                 "max_request_bytes": self.d.limits.max_body_bytes,
                 "max_batch_keys": self.d.limits.max_batch_keys,
                 "max_region_bytes": self.max_region_bytes,
+                "put_prefix": True,
             }
             self.metrics.observe("hello", "ok", 0)
             _sendall(conn, w.reply(w.Status.OK) + json.dumps(info).encode())
@@ -364,8 +365,12 @@ class SameHostServer:
                 r.close()
             reply = w.reply(w.Status.OK)
         else:
-            keys = self._keys(payload, count)
+            if extra and op is not w.Op.PUT:
+                raise Refused(w.Status.BAD_REQUEST, f"only PUT takes prefix keys ({extra} given)")
+            split = count * w.KEY_BYTES
+            keys = self._keys(payload[:split] if extra else payload, count)
             ikeys = self.d.mapper.map(tenant, keys)
+            iprefix = self.d.mapper.map(tenant, self._keys(payload[split:], extra)) if extra else []
             if op is w.Op.LOOKUP:
                 reply = self._lookup(tenant, ikeys)
             elif op is w.Op.DELETE:
@@ -380,7 +385,7 @@ class SameHostServer:
                     )
                 try:
                     if op is w.Op.PUT:
-                        reply = self._put(tenant, ikeys, view)
+                        reply = self._put(tenant, ikeys, view, iprefix)
                     else:
                         reply = self._get(tenant, ikeys, view)
                 finally:
@@ -464,7 +469,9 @@ class SameHostServer:
         lengths = struct.pack(f"<{res.hits}I", *res.value_bytes)
         return w.reply(w.Status.OK, count=res.hits) + lengths + index
 
-    def _put(self, tenant: Tenant, ikeys: list[ChunkKey], view: memoryview) -> bytes:
+    def _put(
+        self, tenant: Tenant, ikeys: list[ChunkKey], view: memoryview, iprefix: list[ChunkKey]
+    ) -> bytes:
         n = len(ikeys)
         if not n or not view.nbytes or view.nbytes % n:
             raise Refused(w.Status.BAD_REQUEST, f"{view.nbytes} B do not split into {n} values")
@@ -478,7 +485,7 @@ class SameHostServer:
         if len(set(ikeys)) != n:
             raise Refused(w.Status.BAD_REQUEST, "a request names the same key twice")
         try:
-            res = self.d.store.put(ikeys, view, inline=True).result()
+            res = self.d.store.put(ikeys, view, prefix=iprefix, inline=True).result()
         except InputError as exc:
             raise Refused(w.Status.BAD_REQUEST, str(exc)) from None
         self.d.tenants.add(tenant.name, put_chunks=res.stored, put_bytes=size * res.stored)

@@ -59,6 +59,7 @@ class ChannelInfo:
     max_request_bytes: int
     max_batch_keys: int
     max_region_bytes: int
+    put_prefix: bool = False  # the daemon takes a put's prefix keys (older ones do not)
 
 
 class Region:
@@ -126,6 +127,7 @@ class _Link:
             int(raw["max_request_bytes"]),
             int(raw["max_batch_keys"]),
             int(raw["max_region_bytes"]),
+            bool(raw.get("put_prefix", False)),
         )
         self._recv = w.REPLY.size + 5 * self.info.max_batch_keys + 1024
 
@@ -306,9 +308,17 @@ class SameHost:
                 n += link.call(w.request(w.Op.DELETE, count=len(part)), b"".join(part))[1]
         return n
 
-    def put(self, keys: Sequence[ChunkKey], values: Sequence[Any]) -> PutResult:
+    def put(
+        self, keys: Sequence[ChunkKey], values: Sequence[Any], prefix: Sequence[ChunkKey] = ()
+    ) -> PutResult:
         """Store values; runs of equal length that lie packed in one shared buffer go
-        with no copy here, others through the scratch region."""
+        with no copy here, others through the scratch region.
+
+        ``prefix``: the sequence's chunks before ``keys``, protected from eviction while
+        the daemon makes room (its first ``max_batch_keys``: the head is what a lookup
+        reaches). A run after the first also protects the runs before it. Dropped for a
+        daemon that does not take prefixes.
+        """
         if len(keys) != len(values):
             raise InputError(f"{len(keys)} keys for {len(values)} values")
         views = [memoryview(v).cast("B") for v in values]
@@ -323,14 +333,23 @@ class SameHost:
                 j = i + 1
                 while j < len(views) and j - i < per and views[j].nbytes == size:
                     j += 1
-                res = self._put_run(link, keys[i:j], views[i:j], size)
+                head: list[ChunkKey] = []
+                if self.info.put_prefix:
+                    head = [*prefix[: self.info.max_batch_keys], *keys[:i]]
+                    head = head[: self.info.max_batch_keys]
+                res = self._put_run(link, keys[i:j], views[i:j], size, head)
                 for k, v in enumerate(res):
                     totals[k] += v
                 i = j
         return PutResult(*totals)
 
     def _put_run(
-        self, link: _Link, keys: Sequence[ChunkKey], views: list[memoryview], size: int
+        self,
+        link: _Link,
+        keys: Sequence[ChunkKey],
+        views: list[memoryview],
+        size: int,
+        prefix: Sequence[ChunkKey] = (),
     ) -> tuple[int, ...]:
         n = len(views)
         first = address(views[0])
@@ -345,8 +364,15 @@ class SameHost:
             for k, v in enumerate(views):
                 dst[k * size : (k + 1) * size] = np.frombuffer(v, dtype=np.uint8)
         _, _, _, body = link.call(
-            w.request(w.Op.PUT, region=region.rid, count=n, offset=off, length=n * size),
-            b"".join(keys),
+            w.request(
+                w.Op.PUT,
+                region=region.rid,
+                count=n,
+                extra=len(prefix),
+                offset=off,
+                length=n * size,
+            ),
+            b"".join(keys) + b"".join(prefix),
         )
         return w.PUT_COUNTS.unpack_from(body)
 

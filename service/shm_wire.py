@@ -8,13 +8,15 @@ the daemon's bound arrives truncated and is refused whole.
 
 Request (client -> daemon), little-endian, :data:`REQUEST` then a payload::
 
-    magic "KVS1" | op u8 | 0 u8 | region u16 | count u32 | 0 u32 | offset u64 | length u64
+    magic "KVS1" | op u8 | 0 u8 | region u16 | count u32 | extra u32 | offset u64 | length u64
 
     HELLO   payload: the bearer token (count = its length); must come first
     MAP     with one fd (SCM_RIGHTS): map ``length`` bytes of it as ``region``
     UNMAP   forget ``region``
-    PUT     payload: ``count`` keys of 16 bytes; values packed, equal length,
-            in region[offset : offset + length]
+    PUT     payload: ``count`` keys of 16 bytes, then ``extra`` prefix keys (the
+            sequence's chunks before them, protected from eviction while the put
+            makes room; only to a daemon whose HELLO says ``put_prefix``); values
+            packed, equal length, in region[offset : offset + length]
     GET     payload: keys; the leading run of present values that fit whole is copied
             packed into region[offset : offset + length]
     LOOKUP  payload: keys
@@ -24,7 +26,7 @@ Reply (daemon -> client), :data:`REPLY` then a payload::
 
     magic "KVS1" | status u8 | 0 u8 | 0 u16 | count u32 | 0 u32 | nbytes u64
 
-    OK HELLO   payload: JSON (limits, tier names)
+    OK HELLO   payload: JSON (limits, tier names, ``put_prefix``)
     OK PUT     payload: stored, present, rejected, failed (4 x u32)
     OK GET     count = values copied, nbytes = bytes; payload: count x u32 lengths
     OK LOOKUP  count = hits; payload: hits x u32 lengths, then hits x u8 tier indexes
@@ -77,8 +79,10 @@ HTTP_EQUIVALENT = {
 """The HTTP status the same refusal gets over HTTP (clients word both alike)."""
 
 
-def request(op: Op, *, region: int = 0, count: int = 0, offset: int = 0, length: int = 0) -> bytes:
-    return REQUEST.pack(MAGIC, op, 0, region, count, 0, offset, length)
+def request(
+    op: Op, *, region: int = 0, count: int = 0, extra: int = 0, offset: int = 0, length: int = 0
+) -> bytes:
+    return REQUEST.pack(MAGIC, op, 0, region, count, extra, offset, length)
 
 
 def reply(status: Status, *, count: int = 0, nbytes: int = 0) -> bytes:
@@ -86,5 +90,6 @@ def reply(status: Status, *, count: int = 0, nbytes: int = 0) -> bytes:
 
 
 def max_request_bytes(max_keys: int) -> int:
-    """The longest valid request: a header and ``max_keys`` keys (or a token)."""
-    return REQUEST.size + max(max_keys * KEY_BYTES, MAX_TOKEN_BYTES)
+    """The longest valid request: a header and ``max_keys`` keys and as many prefix
+    keys (or a token)."""
+    return REQUEST.size + max(2 * max_keys * KEY_BYTES, MAX_TOKEN_BYTES)

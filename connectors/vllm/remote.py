@@ -144,8 +144,14 @@ class RemoteStore:
             return _done(GetResult(0, 0, (), ()))
         return _done(GetResult(got.chunks, got.nbytes, got.value_bytes, (TIER_NAME,) * got.chunks))
 
-    def put(self, keys: Sequence[bytes], data: npt.NDArray[Any]) -> Future[PutResult]:
-        """Store ``len(keys)`` chunks packed in ``data``; a dropped save counts as failed."""
+    def put(
+        self, keys: Sequence[bytes], data: npt.NDArray[Any], prefix: Sequence[bytes] = ()
+    ) -> Future[PutResult]:
+        """Store ``len(keys)`` chunks packed in ``data``; a dropped save counts as failed.
+
+        ``prefix``: the sequence's earlier chunks, which the daemon protects while it
+        makes room (over the same-host channel; dropped over HTTP).
+        """
         n = len(keys)
         if not n:
             return _done(PutResult(0, 0, 0, 0))
@@ -154,7 +160,9 @@ class RemoteStore:
             flat = data.reshape(-1).view(np.uint8)
             size = flat.nbytes // n
             values = [flat[i * size : (i + 1) * size].data for i in range(n)]
-            saved: PutResult = self._client.put_many([bytes(k).hex() for k in keys], values)
+            saved: PutResult = self._client.put_many(
+                [bytes(k).hex() for k in keys], values, prefix=[bytes(k).hex() for k in prefix]
+            )
             return saved
 
         res: PutResult = self._breaker.call(f"save of {n} chunks", save, PutResult(0, 0, 0, n))

@@ -239,11 +239,11 @@ class WorkerSide:
                     )
             staging = mover.gather(op.block_ids, token, out=out)
             keys = rank_keys(self._salt, op.keys)
+            prefix = rank_keys(self._salt, op.prefix)
             if isinstance(store, TieredStore):
-                prefix = rank_keys(self._salt, op.prefix)
                 res = store.put(keys, staging.numpy(), prefix=prefix).result()
-            else:  # the daemon's API takes no prefix (docs/vllm.md)
-                res = store.put(keys, staging.numpy()).result()
+            else:  # the daemon honours it over the same-host channel
+                res = store.put(keys, staging.numpy(), prefix).result()
             if res.stored + res.present == len(keys):
                 ok = list(op.keys)
             else:  # some were declined: report what the store really holds

@@ -5,7 +5,8 @@ prompt's own head, each later step has to make room: had it evicted the head (th
 recently used chunks), the store would end with the prompt's tail, which no prefix
 lookup ever reaches. The connector names the request's earlier chunks as the put's
 prefix, so the store keeps the head and declines the tail; the next identical prompt
-hits the head, and its output equals a recompute.
+hits the head, and its output equals a recompute. The same holds in daemon mode (a
+real ``kvtier serve`` of 32 chunk slots, reached over its same-host channel).
 """
 
 from __future__ import annotations
@@ -33,13 +34,30 @@ STORE_CHUNKS = HOST_BYTES // (64 << 10)  # 32 chunks of 64 tokens: 2048 tokens
 STEP_TOKENS = 4 * CHUNK  # chunked prefill: 4 chunks computed (and saved) per step
 
 
-@pytest.fixture(scope="module")
-def small_steps(tiny_model: str) -> Iterator[Engine]:
+@pytest.fixture(scope="module", params=["embedded", "daemon"])
+def small_steps(
+    request: pytest.FixtureRequest, tiny_model: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Engine]:
+    daemon = None
+    extra: dict[str, object] = {}
+    if request.param == "daemon":
+        from tests.service.conftest import start_daemon
+
+        daemon = start_daemon(
+            tmp_path_factory.mktemp("capacity-daemon"),
+            "--set",
+            f"service.max_value_bytes={64 << 10}",
+            "--set",
+            f"tiers.0.capacity_bytes={HOST_BYTES}",
+            "--set",
+            "store.placement=keep",
+        )
+        extra = {"url": daemon.url}
     saved = {k: os.environ.get(k) for k in ENV}
     os.environ.update(ENV)
     llm = tiny_llm(
         tiny_model,
-        kv_transfer_config(),
+        kv_transfer_config(**extra),
         max_model_len=4096,
         max_num_batched_tokens=STEP_TOKENS,
         enable_chunked_prefill=True,
@@ -51,6 +69,8 @@ def small_steps(tiny_model: str) -> Iterator[Engine]:
         if shutdown is not None:
             shutdown()
         del llm
+        if daemon is not None:
+            daemon.stop()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -350,3 +350,49 @@ def test_client_input_errors_are_not_channel_failures(tenant_daemon: Daemon) -> 
             c.put(os.urandom(16), b"x" * (MiB + 1))
         assert c._shm is not None
 
+
+def test_a_put_prefix_keeps_a_long_sequence_head_on_a_full_daemon(tmp_path: Path) -> None:
+    """A daemon of four 1 MiB slots, a 12-chunk sequence put two chunks per request (as
+    chunked prefill saves it). Without a prefix each request evicts the sequence's oldest
+    chunks, its head, and the store ends with a tail no lookup reaches; with each
+    request naming the chunks before it, the head stays and the tail is declined."""
+    d = start_daemon(
+        tmp_path, "--set", "tiers.0.capacity_bytes=4MiB", "--set", "store.placement=keep"
+    )
+    try:
+        with Client(d.url) as c:
+            assert c.same_host_socket is not None
+            for protect in (False, True):
+                seq = [os.urandom(16) for _ in range(12)]
+                values = [_rand(MiB) for _ in seq]
+                for i in range(0, 12, 2):
+                    c.put_many(seq[i : i + 2], values[i : i + 2], prefix=seq[:i] if protect else ())
+                hit = c.lookup(seq)
+                if protect:
+                    assert hit.hits == 4  # the head, the whole store
+                    out = bytearray(4 * MiB)
+                    assert c.get_into(seq, out).chunks == 4
+                    assert bytes(out) == b"".join(values[:4])
+                else:
+                    assert hit.hits == 0  # what the daemon did before prefixes
+                for k in seq:
+                    c.delete(k)
+        # Hostile prefixes: on another op, more than the key limit, or a payload short
+        # of the keys it announces; each is refused and the connection keeps serving.
+        s = _raw(_socket_of(d))
+        _hello(s, "")
+        key = os.urandom(16)
+        assert _ask(s, w.request(w.Op.LOOKUP, count=1, extra=1) + key + key)[0] == (
+            w.Status.BAD_REQUEST
+        )
+        assert _ask(s, w.request(w.Op.PUT, count=1, extra=1 << 20, length=1) + key)[0] in (
+            w.Status.BAD_REQUEST,
+            w.Status.TOO_LARGE,
+        )
+        assert _ask(s, w.request(w.Op.PUT, count=1, extra=2, length=1) + key + key)[0] == (
+            w.Status.BAD_REQUEST
+        )
+        assert _ask(s, w.request(w.Op.LOOKUP, count=1) + key)[0] == w.Status.OK
+        s.close()
+    finally:
+        d.stop()
