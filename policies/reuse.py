@@ -217,25 +217,19 @@ class ReuseTracker:
     def expected_reuses(self, keys: Iterable[ChunkKey]) -> tuple[float, int]:
         """Sum of the expected further references of ``keys`` (by class, chained: each
         reference moves a chunk up a class), and how many keys there were."""
-        refs, expected = self._refs, self._expected
-        total = 0.0
-        n = 0
-        for key in keys:
-            state = refs.get(key)
-            c = 1 if state is None else min(max(state[0], 1), MAX_CLASS)
-            total += expected[c]
-            n += 1
-        return total, n
+        return self._sum_by_class(keys, self._expected)
 
     def mean_probability(self, keys: Iterable[ChunkKey]) -> tuple[float, int]:
         """Sum of reuse probabilities of ``keys``, and how many there were."""
-        refs, table = self._refs, self._table
+        return self._sum_by_class(keys, self._table)
+
+    def _sum_by_class(self, keys: Iterable[ChunkKey], table: list[float]) -> tuple[float, int]:
+        refs = self._refs
         total = 0.0
         n = 0
         for key in keys:
             state = refs.get(key)
-            c = 1 if state is None else min(max(state[0], 1), MAX_CLASS)
-            total += table[c]
+            total += table[1 if state is None else min(max(state[0], 1), MAX_CLASS)]
             n += 1
         return total, n
 
