@@ -365,12 +365,13 @@ class SameHostServer:
                 r.close()
             reply = w.reply(w.Status.OK)
         else:
-            if extra and op is not w.Op.PUT:
-                raise Refused(w.Status.BAD_REQUEST, f"only PUT takes prefix keys ({extra} given)")
             split = count * w.KEY_BYTES
-            keys = self._keys(payload[:split] if extra else payload, count)
+            keys = self._keys(payload[:split], count)
+            prefix = self._keys(payload[split:], extra)  # also refuses bytes past the keys
+            if prefix and op is not w.Op.PUT:
+                raise Refused(w.Status.BAD_REQUEST, f"only PUT takes prefix keys ({extra} given)")
             ikeys = self.d.mapper.map(tenant, keys)
-            iprefix = self.d.mapper.map(tenant, self._keys(payload[split:], extra)) if extra else []
+            iprefix = self.d.mapper.map(tenant, prefix) if prefix else []
             if op is w.Op.LOOKUP:
                 reply = self._lookup(tenant, ikeys)
             elif op is w.Op.DELETE:

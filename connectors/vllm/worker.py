@@ -239,11 +239,10 @@ class WorkerSide:
                     )
             staging = mover.gather(op.block_ids, token, out=out)
             keys = rank_keys(self._salt, op.keys)
+            # The earlier chunks stay while the put makes room (a daemon honours it
+            # over the same-host channel).
             prefix = rank_keys(self._salt, op.prefix)
-            if isinstance(store, TieredStore):
-                res = store.put(keys, staging.numpy(), prefix=prefix).result()
-            else:  # the daemon honours it over the same-host channel
-                res = store.put(keys, staging.numpy(), prefix).result()
+            res = store.put(keys, staging.numpy(), prefix=prefix).result()
             if res.stored + res.present == len(keys):
                 ok = list(op.keys)
             else:  # some were declined: report what the store really holds

@@ -12,6 +12,7 @@ the connector metadata, exactly as in the multi-process engine.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from collections.abc import Iterator
@@ -113,10 +114,19 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="session")
 def engine(tiny_model: str) -> Iterator[Engine]:
+    # vLLM's own prefix cache stays off (tiny_llm): every hit here must come from kvtier.
+    with in_process_engine(
+        tiny_model, kv_transfer_config(), max_model_len=4096, max_num_seqs=4
+    ) as e:
+        yield e
+
+
+@contextlib.contextmanager
+def in_process_engine(model: str, transfer: dict[str, Any], **overrides: Any) -> Iterator[Engine]:
+    """:func:`tiny_llm` in this process (ENV set while it lives), shut down at the end."""
     saved = {k: os.environ.get(k) for k in ENV}
     os.environ.update(ENV)
-    # vLLM's own prefix cache stays off (tiny_llm): every hit here must come from kvtier.
-    llm = tiny_llm(tiny_model, kv_transfer_config(), max_model_len=4096, max_num_seqs=4)
+    llm = tiny_llm(model, transfer, **overrides)
     try:
         yield Engine(llm)
     finally:

@@ -11,26 +11,25 @@ real ``kvtier serve`` of 32 chunk slots, reached over its same-host channel).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
 
 from tests.connectors.conftest import (
     CHUNK,
-    ENV,
+    CHUNK_BYTES,
     HOST_BYTES,
     Engine,
+    in_process_engine,
     kv_transfer_config,
     prompt,
-    tiny_llm,
 )
 
 pytest.importorskip("vllm")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-STORE_CHUNKS = HOST_BYTES // (64 << 10)  # 32 chunks of 64 tokens: 2048 tokens
+STORE_CHUNKS = HOST_BYTES // CHUNK_BYTES  # 32 chunks of 64 tokens: 2048 tokens
 STEP_TOKENS = 4 * CHUNK  # chunked prefill: 4 chunks computed (and saved) per step
 
 
@@ -46,36 +45,25 @@ def small_steps(
         daemon = start_daemon(
             tmp_path_factory.mktemp("capacity-daemon"),
             "--set",
-            f"service.max_value_bytes={64 << 10}",
+            f"service.max_value_bytes={CHUNK_BYTES}",
             "--set",
             f"tiers.0.capacity_bytes={HOST_BYTES}",
             "--set",
             "store.placement=keep",
         )
         extra = {"url": daemon.url}
-    saved = {k: os.environ.get(k) for k in ENV}
-    os.environ.update(ENV)
-    llm = tiny_llm(
-        tiny_model,
-        kv_transfer_config(**extra),
-        max_model_len=4096,
-        max_num_batched_tokens=STEP_TOKENS,
-        enable_chunked_prefill=True,
-    )
     try:
-        yield Engine(llm)
+        with in_process_engine(
+            tiny_model,
+            kv_transfer_config(**extra),
+            max_model_len=4096,
+            max_num_batched_tokens=STEP_TOKENS,
+            enable_chunked_prefill=True,
+        ) as e:
+            yield e
     finally:
-        shutdown = getattr(llm.llm_engine.engine_core, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
-        del llm
         if daemon is not None:
             daemon.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def test_a_prompt_longer_than_the_store_keeps_its_head(small_steps: Engine) -> None:

@@ -120,28 +120,33 @@ def test_remote_to_a_daemon_on_a_full_disk_misses_with_a_reason_while_lmcache_se
         d.stop()
 
 
+def _two_slot_host_toml(tmp_path: Path, *more: str) -> Path:
+    """A kvtier config of one host tier holding two of the prompt's chunks, admitting
+    every chunk; ``more`` lines are appended."""
+    cfg = tmp_path / "kvtier.toml"
+    lines = [
+        "[[tiers]]",
+        'kind = "host"',
+        f"capacity_bytes = {2 * CHUNK * TOKEN_BYTES}",
+        'pin = "off"',
+        "",
+        "[store]",
+        'placement = "keep"',
+        "",
+        *more,
+        "",
+    ]
+    cfg.write_text("\n".join(lines))
+    return cfg
+
+
 def test_plugin_on_a_store_full_by_capacity_keeps_a_prefix_and_says_why(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Full by capacity, not by disk: one host tier of two slots under a four-chunk
     prompt. The store keeps what fits of the prompt's head (a sequence never pushes out
     its own head), says why it dropped the rest, and never serves a wrong byte."""
-    cfg = tmp_path / "kvtier.toml"
-    slot = CHUNK * TOKEN_BYTES
-    cfg.write_text(
-        "\n".join(
-            [
-                "[[tiers]]",
-                'kind = "host"',
-                f"capacity_bytes = {2 * slot}",
-                'pin = "off"',
-                "",
-                "[store]",
-                'placement = "keep"',
-                "",
-            ]
-        )
-    )
+    cfg = _two_slot_host_toml(tmp_path)
     tokens, kv = prompt(23, N_TOKENS)
     caplog.set_level(logging.WARNING, logger="kvtier")
     with engine(plugin_config(str(cfg))) as e:
@@ -161,26 +166,9 @@ def test_plugin_on_a_store_full_by_capacity_keeps_a_prefix_and_says_why(
 def test_remote_to_a_daemon_full_by_capacity_keeps_a_prefix(tmp_path: Path) -> None:
     """The remote plug-in's counterpart: a daemon whose one host tier holds two of the
     prompt's four chunks keeps a head of the prompt, never a tail it cannot serve."""
-    cfg = tmp_path / "kvtier.toml"
     slot = CHUNK * TOKEN_BYTES
-    cfg.write_text(
-        "\n".join(
-            [
-                "[[tiers]]",
-                'kind = "host"',
-                f"capacity_bytes = {2 * slot}",
-                'pin = "off"',
-                "",
-                "[store]",
-                'placement = "keep"',
-                "",
-                "[service]",
-                f"max_value_bytes = {slot}",
-                'data_dir = ""',  # memory only: no nvme tier under the user's data directory
-                "",
-            ]
-        )
-    )
+    # Memory only (data_dir ""): no nvme tier under the user's data directory.
+    cfg = _two_slot_host_toml(tmp_path, "[service]", f"max_value_bytes = {slot}", 'data_dir = ""')
     d = start_daemon(tmp_path, "--config", str(cfg), small=False)
     tokens, kv = prompt(24, N_TOKENS)
     try:
