@@ -16,6 +16,36 @@ from tests import redis_servers
 collect_ignore = [] if os.environ.get("KVTIER_LMCACHE_TESTS") else ["lmcache"]
 
 
+def _tree_state(root: Path) -> tuple[tuple[str, int, int], ...] | None:
+    """Every path under ``root`` with its size and mtime, or None when it does not exist."""
+    if not root.exists():
+        return None
+    paths = [root, *sorted(root.rglob("*"))]
+    return tuple((str(p), p.lstat().st_size, p.lstat().st_mtime_ns) for p in paths)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _user_data_dir_untouched() -> Iterator[None]:
+    """Fails the session when any test wrote to the user's default data directory.
+
+    Tests (and the daemons, engines and CLI runs they start) must use temporary
+    directories; a test that started a daemon with its own config and no ``data_dir``
+    once created ``~/.local/share/kvtier`` on the developer's machine.
+    """
+    root = Path("~/.local/share/kvtier").expanduser()
+    before = _tree_state(root)
+    yield
+    after = _tree_state(root)
+    if after != before:
+        changed = sorted({e[0] for e in (after or ())} ^ {e[0] for e in (before or ())})
+        pytest.fail(
+            f"the test session changed the user's data directory {root} "
+            f"(paths added or removed: {changed[:10] or 'none; contents modified'}): "
+            "give every daemon, engine and CLI run a temporary data_dir",
+            pytrace=False,
+        )
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _redis_session_teardown() -> Iterator[None]:
     """Owns the teardown of the lazily started session server and cluster.
