@@ -45,6 +45,7 @@ from typing_extensions import override
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
 from kvtier.store.policy import PlacementPolicy, TierView
+from kvtier.store.types import PolicyCount
 
 from .budget import WriteBudget
 from .profiles import TierSpec
@@ -262,6 +263,73 @@ class CostAwarePlacement(PlacementPolicy):
         else:
             self._c.promotions_declined += n
         return ok
+
+    @override
+    def report(self) -> list[PolicyCount]:
+        c = self._c
+        names = [t.name for t in self.tiers]
+        out = [
+            PolicyCount(name, float(v), names[i], help=what)
+            for name, values, what in (
+                ("admitted_chunks", c.admitted, "New chunks written into the tier"),
+                ("demoted_chunks", c.demoted_to, "Evicted chunks moved down into the tier"),
+                (
+                    "refused_colder_chunks",
+                    c.colder_refusals,
+                    "Evicted chunks kept out of the tier: its own coldest are likelier reused",
+                ),
+                (
+                    "refused_value_chunks",
+                    c.value_refusals,
+                    "Evicted chunks kept out of the tier: holding them costs more than they save",
+                ),
+                (
+                    "refused_budget_chunks",
+                    c.budget_refusals,
+                    "Evicted chunks kept out of the tier: its write budget is spent",
+                ),
+            )
+            for i, v in enumerate(values)
+        ]
+        out += [
+            PolicyCount(
+                "dropped_chunks", float(c.dropped), help="Evicted chunks no lower tier took"
+            ),
+            PolicyCount(
+                "promoted_chunks",
+                float(c.promotions),
+                help="Chunks hit below the top tier and moved up",
+            ),
+            PolicyCount(
+                "promotions_declined_chunks",
+                float(c.promotions_declined),
+                help="Chunks hit below the top tier and left there (not worth the rewrite)",
+            ),
+        ]
+        for i, b in sorted(self.budgets.items()):
+            out += [
+                PolicyCount(
+                    "budget_available_bytes",
+                    b.available(),
+                    names[i],
+                    gauge=True,
+                    help="Bytes the tier's write budget allows now",
+                ),
+                PolicyCount(
+                    "budget_allowance_bytes",
+                    b.allowance_bytes,
+                    names[i],
+                    gauge=True,
+                    help="Bytes the tier's write budget allows per window",
+                ),
+                PolicyCount(
+                    "budget_granted_bytes",
+                    b.granted_bytes,
+                    names[i],
+                    help="Bytes of demotions the tier's write budget granted",
+                ),
+            ]
+        return out
 
     def stats(self) -> PlacementStats:
         c = self._c

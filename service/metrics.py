@@ -16,7 +16,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvtier.store.types import StoreStats
+from kvtier.store.types import PolicyCount, StoreStats
 
 from .limits import BODY_BYTES
 
@@ -182,6 +182,24 @@ def store_exposition(stats: StoreStats) -> list[str]:
             f'{metric}{{tier="{t.name}",kind="{t.kind}"}} {_number(getattr(t, name))}'
             for t in stats.tiers
         ]
+    return out + placement_exposition(stats)
+
+
+def placement_exposition(stats: StoreStats) -> list[str]:
+    """The placement policy's figures: one metric per name (its series together, as the
+    format requires), a series per tier."""
+    by_name: dict[str, list[PolicyCount]] = {}
+    for c in stats.placement:
+        by_name.setdefault(c.name, []).append(c)
+    out: list[str] = []
+    for name, counts in by_name.items():
+        first = counts[0]
+        metric = f"kvtier_placement_{name}" + ("" if first.gauge else "_total")
+        kind = "gauge" if first.gauge else "counter"
+        out += [f"# HELP {metric} {first.help or name}.", f"# TYPE {metric} {kind}"]
+        for c in counts:
+            labels = f'{{tier="{c.tier}"}}' if c.tier else ""
+            out.append(f"{metric}{labels} {_number(c.value)}")
     return out
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, create_model
 
-from kvtier.store.types import StoreStats
+from kvtier.store.types import PolicyCount, StoreStats
 from kvtier.tiers.base import TierStats
 
 from .limits import Limits
@@ -148,16 +148,20 @@ def _convert(value: Any, hint: Any) -> Any:
 
 if TYPE_CHECKING:  # the models are built at import time; mypy sees their base
     TierStatsModel = Strict
+    PolicyCountModel = Strict
     StoreStatsModel = Strict
     LimitsModel = Strict
     TenantStatsModel = Strict
 else:
     TierStatsModel = model_of(TierStats, "TierStatsModel", "One tier's counters.")
+    PolicyCountModel = model_of(
+        PolicyCount, "PolicyCountModel", "One figure of the placement policy's decisions."
+    )
     StoreStatsModel = model_of(
         StoreStats,
         "StoreStatsModel",
         "Store-wide counters (all tenants together).",
-        {TierStats: TierStatsModel},
+        {TierStats: TierStatsModel, PolicyCount: PolicyCountModel},
     )
     LimitsModel = model_of(
         Limits, "LimitsModel", "The daemon's limits, so clients can size their batches."

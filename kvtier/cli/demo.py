@@ -29,6 +29,7 @@ from kvtier.cli.console import stdout_console
 from kvtier.config import KVTierConfig
 from kvtier.factory import build_store
 from kvtier.keys import ChunkKey
+from kvtier.store.types import StoreStats
 from kvtier.units import format_size
 
 TRACE_BLOCK_TOKENS = 512
@@ -193,11 +194,7 @@ def run_demo(cfg: KVTierConfig, *, sequences: int, trace: str | Path | None, see
             moved_bytes,
         )
         if cfg.store.placement != "keep":
-            console.print(
-                f"placement {cfg.store.placement!r}: victims with too little reuse evidence are "
-                "dropped rather than written to slower tiers (SSD writes are a budget); "
-                "--set store.placement=keep writes everything through, as the peers do"
-            )
+            console.print(_placement_line(cfg.store.placement, store.stats()))
     finally:
         store.close()
     if bad:
@@ -205,6 +202,22 @@ def run_demo(cfg: KVTierConfig, *, sequences: int, trace: str | Path | None, see
         return False
     console.print("[green]every loaded chunk verified byte for byte[/green]")
     return True
+
+
+def _placement_line(name: str, stats: StoreStats) -> str:
+    """Why the placement kept victims out of the slower tiers, by the reasons it counted."""
+    total: dict[str, float] = {}
+    for c in stats.placement:
+        total[c.name] = total.get(c.name, 0.0) + c.value
+    reasons = ", ".join(
+        f"{int(total.get(f'refused_{why}_chunks', 0))} {why}"
+        for why in ("value", "colder", "budget")
+    )
+    return (
+        f"placement {name!r} (victims kept out of a slower tier, by reason: {reasons}): "
+        "victims with too little reuse evidence are dropped rather than written (SSD writes "
+        "are a budget); --set store.placement=keep writes everything through, as the peers do"
+    )
 
 
 def _report(

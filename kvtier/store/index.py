@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.keys import ChunkKey
-from kvtier.store.policy import EvictionFactory, EvictionPolicy
+from kvtier.store.policy import EvictionFactory, EvictionPolicy, PlacementPolicy
 from kvtier.store.types import EventKind, StoreEvent, StoreStats
 from kvtier.tiers.base import SlotRun, Tier
 
@@ -524,14 +524,20 @@ class StoreIndex:
             if recovered:
                 log.info("tier %s: recovered %d chunks", tier.name, recovered)
 
-    def stats(self) -> StoreStats:
-        """A frozen snapshot of the counters, with each tier's own stats."""
+    def stats(self, placement: PlacementPolicy | None = None) -> StoreStats:
+        """A frozen snapshot of the counters, with each tier's own stats and what
+        ``placement`` reports (read under the lock its hooks run under)."""
         with self.lock:
             counts = dataclasses.asdict(self.counts)
             chunks = len(self._entries)
             hits = tuple((t.name, n) for t, n in zip(self.tiers, self._tier_hits, strict=True))
+            report = tuple(placement.report()) if placement is not None else ()
         return StoreStats(
-            chunks=chunks, tier_hits=hits, tiers=tuple(t.stats() for t in self.tiers), **counts
+            chunks=chunks,
+            tier_hits=hits,
+            tiers=tuple(t.stats() for t in self.tiers),
+            placement=report,
+            **counts,
         )
 
 

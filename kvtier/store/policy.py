@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from kvtier import plugins
 from kvtier.keys import ChunkKey
+from kvtier.store.types import PolicyCount
 
 
 class EvictionPolicy(ABC):
@@ -105,6 +106,10 @@ class PlacementPolicy(ABC):  # noqa: B024 - every hook has a sane default; subcl
     def should_promote(self, tier: int, keys: Sequence[ChunkKey]) -> bool:
         """Move chunks hit in ``tier`` (> 0) up to the top tier? Default: yes."""
         return True
+
+    def report(self) -> Sequence[PolicyCount]:
+        """What this policy decided so far, for the store's stats. Default: nothing."""
+        return ()
 
 
 class WriteThrough(PlacementPolicy):

@@ -363,7 +363,7 @@ class TieredStore:
 
     def stats(self) -> StoreStats:
         """A snapshot of the store's counters and each tier's stats. Thread-safe."""
-        return self._index.stats()
+        return self._index.stats(self.placement)
 
     def drain(self) -> None:
         """Wait until no operation is queued or running, background promotions included."""

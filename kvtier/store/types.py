@@ -9,7 +9,15 @@ from kvtier.keys import ChunkKey
 from kvtier.tiers.base import TierStats
 
 # The package re-exports exactly these (kvtier/store/__init__.py): one list of the public values.
-__all__ = ["EventKind", "GetResult", "LookupResult", "PutResult", "StoreEvent", "StoreStats"]
+__all__ = [
+    "EventKind",
+    "GetResult",
+    "LookupResult",
+    "PolicyCount",
+    "PutResult",
+    "StoreEvent",
+    "StoreStats",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +110,27 @@ class StoreEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class PolicyCount:
+    """One figure the placement policy reports about its decisions (``/v1/stats``,
+    ``/metrics``): why a tier stays empty, how much of an SSD's write budget is left.
+
+    Attributes:
+        name: snake_case and stable, it names a metric: ``demoted_chunks``,
+            ``budget_available_bytes``.
+        value: the count or amount.
+        tier: the store tier it concerns; "" for the store as a whole.
+        gauge: a level that rises and falls; otherwise a counter that only grows.
+        help: one line saying what it counts.
+    """
+
+    name: str
+    value: float
+    tier: str = ""
+    gauge: bool = False
+    help: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class StoreStats:
     """Store-wide counters, and each tier's own."""
 
@@ -126,3 +155,6 @@ class StoreStats:
     tiers: tuple[TierStats, ...]
     # Chunks found in a shared tier (stored by another process) and added to the index.
     adopted_chunks: int = 0
+    # What the placement policy decided (:meth:`PlacementPolicy.report`); empty for one
+    # that reports nothing, such as ``keep``.
+    placement: tuple[PolicyCount, ...] = ()

@@ -9,6 +9,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtier.cli.demo import _placement_line
 from kvtier.config import Switch
 from kvtier.keys import ChunkKey
 from kvtier.policies.budget import WriteBudget
@@ -170,6 +171,39 @@ def test_write_budget_of_zero_keeps_ssd_untouched() -> None:
         assert sum(placement.stats().budget_refusals) > 0
     finally:
         store.close()
+
+
+def test_the_store_stats_carry_what_placement_decided_and_why() -> None:
+    # A spent write budget: the SSD stays empty, and the stats say why (per tier, by
+    # reason) with the same figures the policy keeps, so an operator need not guess.
+    clock = Clock()
+    store, placement, _ = make_store(4, 16, 0.0, clock)
+    try:
+        for r in range(6):
+            clock.t += 10
+            replay(store, [[r * 10 + j for j in range(4)], [r * 10 + j for j in range(4)]])
+        report = {(c.name, c.tier): c for c in store.stats().placement}
+        mine = placement.stats()
+        assert report["refused_budget_chunks", "ssd"].value == mine.budget_refusals[1] > 0
+        assert report["admitted_chunks", "host"].value == mine.admitted[0] > 0
+        assert report["demoted_chunks", "ssd"].value == 0
+        assert report["dropped_chunks", ""].value == mine.dropped > 0
+        assert report["budget_available_bytes", "ssd"].gauge
+        assert report["budget_available_bytes", "ssd"].value == 0
+        assert ("budget_available_bytes", "host") not in report  # DRAM does not wear
+        assert all(c.help for c in report.values())
+        # `kvtier demo` prints the same reasons.
+        line = _placement_line("cost", store.stats())
+        assert f"{mine.budget_refusals[1]} budget" in line and "0 colder" in line
+    finally:
+        store.close()
+
+
+def test_a_policy_that_reports_nothing_leaves_the_stats_empty() -> None:
+    host = HostTier(TierGeometry("host", 4 * VALUE, VALUE, MAX_EXTENT), Options(pin=Switch.OFF))
+    with TieredStore([host], io_threads=0) as store:
+        store.put([key(1)], value(1)).result()
+        assert store.stats().placement == ()
 
 
 def test_promotion_from_a_wearing_tier_weighs_the_rewrite() -> None:

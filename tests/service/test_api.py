@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 import httpx
 import pytest
@@ -210,3 +212,72 @@ def test_data_dir_keeps_the_cache_across_a_restart(daemon_factory, tmp_path) -> 
         assert len(survived) >= 12
         for k in survived:
             assert h.get(f"/v1/chunks/{k}").content == vals[k]
+
+
+def test_stats_and_metrics_say_what_placement_decided(daemon_factory, tmp_path) -> None:
+    # The default (cost) placement over a host tier of 8 slots and an nvme tier: 20
+    # one-off values overflow the host tier, and the daemon reports, per tier and by
+    # reason, where its victims went, in /v1/stats and /metrics alike.
+    d = daemon_factory(
+        "--data-dir",
+        str(tmp_path),
+        "--set",
+        "tiers.0.capacity_bytes=8MiB",
+        "--set",
+        "service.data_capacity_bytes=64MiB",
+    )
+    with httpx.Client(base_url=d.url) as h:
+        for _ in range(20):
+            assert h.put(f"/v1/chunks/{key()}", content=os.urandom(65536)).json()["stored"] == 1
+        placement = h.get("/v1/stats").json()["store"]["placement"]
+        text = h.get("/metrics").text
+    got = {(c["name"], c["tier"]): c["value"] for c in placement}
+    assert got["admitted_chunks", "host"] == 20
+    # Every victim is accounted for: demoted to the nvme tier, or dropped for a reason.
+    victims = got["demoted_chunks", "nvme"] + got["dropped_chunks", ""]
+    assert victims >= 12
+    assert got["dropped_chunks", ""] == (
+        got["refused_value_chunks", "nvme"]
+        + got["refused_colder_chunks", "nvme"]
+        + got["refused_budget_chunks", "nvme"]
+    )
+    assert got["budget_allowance_bytes", "nvme"] > 0
+    for (name, tier), value in got.items():
+        metric = f"kvtier_placement_{name}"
+        series = [ln for ln in text.splitlines() if ln.startswith(metric)]
+        label = f'{{tier="{tier}"}}' if tier else ""
+        assert any(ln.split(" ")[0] in (f"{metric}{label}", f"{metric}_total{label}")
+                   and float(ln.split(" ")[1]) == value for ln in series), (name, tier, series)
+    # One HELP and one TYPE per metric, its series together (the format requires it).
+    lines = [ln for ln in text.splitlines() if "kvtier_placement_" in ln]
+    helps = [ln.split(" ")[2] for ln in lines if ln.startswith("# HELP")]
+    assert len(helps) == len(set(helps))
+    names = [ln.split("{")[0].split(" ")[0] for ln in lines if not ln.startswith("#")]
+    assert names == sorted(names, key=names.index)  # contiguous runs
+
+
+def _documented_series() -> set[str]:
+    """The placement metrics docs/operations.md lists, brace groups expanded."""
+    text = (Path(__file__).parents[2] / "docs" / "operations.md").read_text()
+    names: set[str] = set()
+    for cell in re.findall(r"`(kvtier_placement_[a-z_{},]+)", text):
+        todo = [cell.split("{tier")[0]]
+        while todo:
+            s = todo.pop()
+            m = re.search(r"\{([a-z_,]+)\}", s)
+            if m is None:
+                names.add(s)
+                continue
+            todo += [s[: m.start()] + alt + s[m.end() :] for alt in m.group(1).split(",")]
+    return names
+
+
+def test_every_placement_series_is_documented(daemon_factory, tmp_path) -> None:
+    d = daemon_factory("--data-dir", str(tmp_path), "--set", "service.data_capacity_bytes=64MiB")
+    with httpx.Client(base_url=d.url) as h:
+        text = h.get("/metrics").text
+    lines = text.splitlines()
+    emitted = {ln.split(" ")[2] for ln in lines if ln.startswith("# HELP kvtier_placement")}
+    assert len(emitted) == 11
+    documented = _documented_series()
+    assert emitted - documented == set(), documented
