@@ -122,6 +122,9 @@ class CostAwarePlacement(PlacementPolicy):
         budgets: explicit budgets per tier index; by default every tier that wears gets
             ``TierSpec.write_budget_Bps(capacity) * 86400`` bytes/day over
             ``economics.window_s``.
+        bytes_per_stored_byte: real bytes each byte the store holds stands for; the
+            budgets charge real bytes. 1 for a real store; a simulation that stores small
+            stand-ins of its chunks gives the ratio.
     """
 
     def __init__(
@@ -133,6 +136,7 @@ class CostAwarePlacement(PlacementPolicy):
         tracker: ReuseTracker | None = None,
         clock: Callable[[], float] = time.monotonic,
         budgets: dict[int, WriteBudget] | None = None,
+        bytes_per_stored_byte: float = 1.0,
     ) -> None:
         if len(tiers) != len(capacities_bytes):
             raise ConfigError("placement.tiers", len(tiers), f"{len(capacities_bytes)} tier specs")
@@ -149,6 +153,7 @@ class CostAwarePlacement(PlacementPolicy):
                 if t.wears
             }
         self.budgets = budgets
+        self._scale = bytes_per_stored_byte
         self._view: TierView | None = None
         b = economics.chunk_bytes
         # Per-tier constants of the benefit formula, per chunk.
@@ -200,6 +205,14 @@ class CostAwarePlacement(PlacementPolicy):
         other, _ = self.tracker.mean_victim_probability(theirs)
         return mine >= other  # a tie goes to the newcomer: it is the more recent
 
+    def _written_bytes(self, keys: Sequence[ChunkKey]) -> float:
+        """What moving ``keys`` writes: their values' bytes (a daemon's values need not be
+        the model's chunk size), or whole chunks when no store is bound."""
+        view = self._view
+        if view is None:
+            return len(keys) * self.econ.chunk_bytes
+        return view.stored_bytes(keys) * self._scale
+
     # -- PlacementPolicy ------------------------------------------------------------------
 
     @override
@@ -208,7 +221,7 @@ class CostAwarePlacement(PlacementPolicy):
         # Its SSD bytes still count against the budget, so demotions slow down.
         budget = self.budgets.get(tier)
         if budget is not None:
-            budget.spend(len(keys) * self.econ.chunk_bytes)
+            budget.spend(len(keys) * value_bytes * self._scale)
         self._c.admitted[tier] += len(keys)
         return True
 
@@ -223,7 +236,7 @@ class CostAwarePlacement(PlacementPolicy):
                 self._c.value_refusals[target] += len(keys)
                 continue
             budget = self.budgets.get(target)
-            if budget is not None and not budget.try_spend(len(keys) * self.econ.chunk_bytes):
+            if budget is not None and not budget.try_spend(self._written_bytes(keys)):
                 self._c.budget_refusals[target] += len(keys)
                 continue
             self._c.demoted_to[target] += len(keys)

@@ -188,7 +188,7 @@ def build(
     if not tiers:
         raise InputError("no tier has room for one chunk of "
                          f"{chunk_bytes} B; raise the capacities")
-    placement, eviction = make_policies(cfg, trace, specs, caps, clock)
+    placement, eviction = make_policies(cfg, trace, specs, caps, clock, STAND_IN_BYTES)
     store = TieredStore(tiers, eviction=eviction, placement=placement, io_threads=0,
                         promote_on_hit=cfg.promote_on_hit)
     return store, specs, placement
@@ -200,8 +200,10 @@ def make_policies(
     specs: Sequence[TierSpec],
     caps: Sequence[int],
     clock: Callable[[], float],
+    stored_bytes: int,
 ) -> tuple[PlacementPolicy, EvictionFactory]:
-    """The placement policy and eviction factory of ``cfg.policy`` for these tiers."""
+    """The placement policy and eviction factory of ``cfg.policy`` for these tiers, whose
+    chunks are ``stored_bytes`` long in the store (stand-ins of the model's chunks)."""
     if cfg.policy == "kvtier":
         rc = Recompute(cfg.model, cfg.hardware.gpu)
         econ = Economics(
@@ -211,7 +213,9 @@ def make_policies(
             horizon_s=cfg.horizon_s,
             window_s=cfg.budget_window_s,
         )
-        placement = CostAwarePlacement(specs, caps, econ, clock=clock)
+        placement = CostAwarePlacement(
+            specs, caps, econ, clock=clock, bytes_per_stored_byte=econ.chunk_bytes / stored_bytes
+        )
         if cfg.eviction == "cost":
             return placement, cost_eviction(placement)
         return placement, eviction_factory(cfg.eviction)

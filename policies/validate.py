@@ -100,7 +100,7 @@ def validate(
         now = [trace.requests[0].t_s]
         specs = list(cfg.hardware.tiers)
         caps = [s * chunk_bytes for s in slots]
-        placement, eviction = make_policies(cfg, trace, specs, caps, lambda: now[0])
+        placement, eviction = make_policies(cfg, trace, specs, caps, lambda: now[0], value_bytes)
         store = TieredStore([host, lower], eviction=eviction, placement=placement,
                             promote_on_hit=cfg.promote_on_hit)
         verified = bad = chunks = 0

@@ -121,7 +121,7 @@ def placement_for_tiers(
         window_s=s.write_budget_window_s,
     )
     specs = priced_specs(tiers, s.hardware)
-    caps = [t.capacity_slots * chunk_bytes for t in tiers]
+    caps = [t.capacity_bytes for t in tiers]  # real bytes: the budgets charge real bytes
     budgets = {
         i: WriteBudget(s.write_budget_dwpd * cap, window_s=s.write_budget_window_s, clock=clock)
         for i, (spec, cap) in enumerate(zip(specs, caps, strict=True))

@@ -344,6 +344,13 @@ class StoreIndex:
         with self.lock:
             return self._coldest_locked(tier, n)
 
+    def stored_bytes(self, keys: Sequence[ChunkKey]) -> int:
+        """Bytes of value the indexed chunks among ``keys`` hold
+        (:class:`~kvtier.store.policy.TierView`: what the write budget is charged)."""
+        with self.lock:
+            entries = self._entries
+            return sum(e.slot.value_bytes for k in keys if (e := entries.get(k)) is not None)
+
     def _coldest_locked(self, t: int, n: int) -> list[ChunkKey]:
         out: list[ChunkKey] = []
         if n < 1:

@@ -82,6 +82,10 @@ class TierView(Protocol):
         """Up to ``n`` chunks ``tier`` would evict next (pinned and busy ones skipped)."""
         ...
 
+    def stored_bytes(self, keys: Sequence[ChunkKey]) -> int:
+        """Bytes of value the indexed chunks among ``keys`` hold (what moving them writes)."""
+        ...
+
 
 class PlacementPolicy(ABC):  # noqa: B024 - every hook has a sane default; subclass what you need
     """Where chunks go. The default keeps everything and demotes one tier at a time."""

@@ -306,6 +306,9 @@ class RoomView:
     def coldest(self, tier: int, n: int) -> list[ChunkKey]:
         return self.cold[:n]
 
+    def stored_bytes(self, keys) -> int:
+        return len(keys) * BIG
+
 
 BIG = 64 << 20  # a Llama-3-8B chunk: wear matters at this size
 

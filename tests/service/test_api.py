@@ -242,6 +242,9 @@ def test_stats_and_metrics_say_what_placement_decided(daemon_factory, tmp_path) 
         + got["refused_budget_chunks", "nvme"]
     )
     assert got["budget_allowance_bytes", "nvme"] > 0
+    # The write budget is charged the bytes written (64 KiB values), not the chunk size
+    # of the model the daemon's economics assume.
+    assert got["budget_granted_bytes", "nvme"] == got["demoted_chunks", "nvme"] * 65536 > 0
     for (name, tier), value in got.items():
         metric = f"kvtier_placement_{name}"
         series = [ln for ln in text.splitlines() if ln.startswith(metric)]
