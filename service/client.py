@@ -98,6 +98,8 @@ class _Base(ABC, Generic[TransportT]):
         retry: retries of idempotent calls on connection errors and 429/502/503/504.
         batch_keys: most keys per batch request (the daemon's service.max_batch_keys).
         max_body_bytes: most bytes per batch-put body (the daemon's service.max_body_bytes).
+        prefix_keys: most prefix keys one batch put names (the daemon's
+            ``limits.max_prefix_keys``); None: read from ``/v1/stats`` when first needed.
         pool: connections kept open (size it to the number of threads or tasks).
         transport: an httpx transport (tests: ``httpx.MockTransport``).
     """
@@ -112,6 +114,7 @@ class _Base(ABC, Generic[TransportT]):
         retry: RetryPolicy | None = None,
         batch_keys: int = 1024,
         max_body_bytes: int = 256 * 1024 * 1024,
+        prefix_keys: int | None = None,
         pool: int = 64,
         transport: TransportT | None = None,
     ) -> None:
@@ -121,6 +124,7 @@ class _Base(ABC, Generic[TransportT]):
         self.retry = retry or RetryPolicy()
         self.batch_keys = batch_keys
         self.max_body_bytes = max_body_bytes
+        self.prefix_keys = prefix_keys
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self._limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
@@ -184,8 +188,18 @@ class _Base(ABC, Generic[TransportT]):
     def _lookup(self, keys: Sequence[KeyLike]) -> Op[LookupResult]:
         return p.op_lookup(keys, self.batch_keys)
 
-    def _put_many(self, keys: Sequence[KeyLike], values: Sequence[Any]) -> Op[PutResult]:
-        return p.op_put_many(keys, values, self.batch_keys, self.max_body_bytes)
+    def _put_many(
+        self, keys: Sequence[KeyLike], values: Sequence[Any], prefix: Sequence[KeyLike] = ()
+    ) -> Op[PutResult]:
+        if self.prefix_keys is None and (prefix or len(keys) > 1):
+            # Once per client; a failure here (daemon down, bad token) is the put's own.
+            limits = (yield from p.op_stats())["limits"]
+            self.prefix_keys = int(limits.get("max_prefix_keys", 0))
+        return (
+            yield from p.op_put_many(
+                keys, values, self.batch_keys, self.max_body_bytes, prefix, self.prefix_keys or 0
+            )
+        )
 
 
 def is_loopback(url: str) -> bool:
@@ -422,14 +436,14 @@ class Client(_Base[httpx.BaseTransport]):
 
         ``prefix``: keys of the sequence's chunks before ``keys``, which the daemon keeps
         from eviction while it makes room for these (a sequence longer than the store
-        then keeps its head). Honoured over the same-host channel; the HTTP API takes
-        no prefix yet, so over HTTP it is dropped.
+        then keeps its head). Over HTTP, a daemon older than the PREFIX flag of the
+        batch format (``limits.max_prefix_keys`` absent) gets none.
         """
 
         def over_http() -> PutResult:
-            if len(keys) == 1 and len(values) == 1:
+            if len(keys) == 1 and len(values) == 1 and not prefix:
                 return self._run(p.op_put(keys[0], values[0]))
-            return self._run(self._put_many(keys, values))
+            return self._run(self._put_many(keys, values, prefix))
 
         return self._either(
             lambda shm: shm.put(
@@ -540,9 +554,14 @@ class AsyncClient(_Base[httpx.AsyncBaseTransport]):
         return await self._run(self._lookup(keys))
 
     async def put_many(
-        self, keys: Sequence[KeyLike], values: Sequence[bytes | bytearray | memoryview]
+        self,
+        keys: Sequence[KeyLike],
+        values: Sequence[bytes | bytearray | memoryview],
+        *,
+        prefix: Sequence[KeyLike] = (),
     ) -> PutResult:
-        return await self._run(self._put_many(keys, values))
+        """As :meth:`Client.put_many`, over HTTP."""
+        return await self._run(self._put_many(keys, values, prefix))
 
     async def get_many(self, keys: Sequence[KeyLike]) -> list[bytes]:
         return await self._run(p.op_get_many(keys, self.batch_keys))

@@ -82,7 +82,7 @@ class Daemon:
                 s.max_body_bytes,
                 f"at least one value plus its batch header ({max_value + wire.table_bytes(1)} B)",
             )
-        self.limits = Limits(max_value, s.max_body_bytes, s.max_batch_keys)
+        self.limits = Limits(max_value, s.max_body_bytes, s.max_batch_keys, s.max_batch_keys)
         # GET bodies: reused, already faulted-in buffers of one value (see buffers.py).
         self.values = ValueBuffers(max_value + wire.table_bytes(1))
         self.budget = Budget(s.max_inflight_bytes, s.inflight_wait_s)

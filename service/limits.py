@@ -26,6 +26,9 @@ class Limits:
     max_value_bytes: int
     max_body_bytes: int
     max_batch_keys: int
+    # Prefix keys one batch put may name (its PREFIX flag, kvtier.service.wire);
+    # 0 from a daemon that takes none, so a client sends none.
+    max_prefix_keys: int = 0
 
 
 class Budget:

@@ -307,10 +307,16 @@ def op_put_many(
     values: Sequence[bytes | bytearray | memoryview],
     batch_keys: int,
     max_body_bytes: int,
+    prefix: Sequence[KeyLike] = (),
+    max_prefix_keys: int = 0,
 ) -> Op[PutResult]:
+    """Put in as few bodies as the limits allow. With ``max_prefix_keys`` (the daemon
+    takes prefixes), each body names the sequence's chunks before it: ``prefix``, then
+    the call's own earlier bodies, the head first when they are too many."""
     if len(keys) != len(values):
         raise InputError(f"{len(keys)} keys but {len(values)} values")
     raws = [raw_key(k) for k in keys]
+    before = [raw_key(k) for k in prefix][:max_prefix_keys]
     sizes = [memoryview(v).nbytes for v in values]
     totals = [0, 0, 0, 0]
     lo = 0
@@ -323,7 +329,8 @@ def op_put_many(
                 break
             nbytes += more
             hi += 1
-        head = wire.pack_head(raws[lo:hi], sizes[lo:hi])
+        pre = [*before, *raws[: max(0, min(lo, max_prefix_keys - len(before)))]]
+        head = wire.pack_head(raws[lo:hi], sizes[lo:hi], pre)
         parts: list[bytes | memoryview] = [head]
         parts += (memoryview(v).cast("B") for v in values[lo:hi])
         res = _put_result((yield Call("POST", "/v1/batch/put", content=parts)))

@@ -9,7 +9,8 @@ Layout (all integers little-endian)::
     0       4           magic b"KVTB"
     4       2           version (1)
     6       2           flags (bit 0, TRUNCATED: a batch get stopped at the response
-                        size limit; more hits may follow from key ``count`` on)
+                        size limit; more hits may follow from key ``count`` on;
+                        bit 1, PREFIX: a batch put names prefix keys, below)
     8       4           count: entries in the table
     12      4           payload_offset: where the payload starts, from byte 0;
                         at least 16 + 32 * count (a writer may pad, e.g. to align)
@@ -17,6 +18,12 @@ Layout (all integers little-endian)::
                           16 B key (raw bytes, not hex)
                           8 B  offset of the value from payload_offset
                           8 B  length of the value in bytes (>= 1)
+    (PREFIX only, right after the table)
+                4           prefix_count: keys of the sequence's chunks before these
+                4           reserved (0)
+                16 * prefix_count  the prefix keys: the daemon keeps them from
+                        eviction while it makes room for this batch (a sequence longer
+                        than the store keeps its head); at most ``limits.max_prefix_keys``
     payload_offset ...  payload: the values
 
 Entries are in key order; each value starts at or after the end of the previous one
@@ -40,6 +47,8 @@ HEADER = struct.Struct("<4sHHII")
 HEADER_BYTES = HEADER.size  # 16
 ENTRY_BYTES = 32
 FLAG_TRUNCATED = 1
+FLAG_PREFIX = 2
+PREFIX_HEAD = struct.Struct("<II")  # prefix_count, reserved
 MEDIA_TYPE = "application/octet-stream"
 
 TABLE_DTYPE = np.dtype([("key", f"V{KEY_BYTES}"), ("offset", "<u8"), ("length", "<u8")])
@@ -62,6 +71,7 @@ class Batch:
     lengths: tuple[int, ...]
     payload: memoryview
     truncated: bool = False
+    prefix: tuple[ChunkKey, ...] = ()
 
     def value(self, i: int) -> memoryview:
         """The ``i``-th value, as a view into the body."""
@@ -104,18 +114,27 @@ def write_table(
         np.cumsum(lens[:-1], out=table["offset"][1:])
 
 
-def pack_head(keys: list[ChunkKey] | tuple[ChunkKey, ...], lengths: list[int]) -> bytes:
-    """Header and table of a body whose values follow packed; send the values after it
-    as they are (no copy into one body)."""
-    for key in keys:
+def pack_head(
+    keys: list[ChunkKey] | tuple[ChunkKey, ...],
+    lengths: list[int],
+    prefix: list[ChunkKey] | tuple[ChunkKey, ...] = (),
+) -> bytes:
+    """Header and table (and ``prefix`` keys, if any) of a body whose values follow
+    packed; send the values after it as they are (no copy into one body)."""
+    for key in (*keys, *prefix):
         if len(key) != KEY_BYTES:
             raise InputError(f"a key of {len(key)} bytes; keys are {KEY_BYTES} bytes")
     if any(n < 1 for n in lengths):
         raise InputError("empty values cannot be stored")
-    head = bytearray(table_bytes(len(keys)))
+    start = table_bytes(len(keys))
+    extra = PREFIX_HEAD.size + KEY_BYTES * len(prefix) if prefix else 0
+    head = bytearray(start + extra)
     view = memoryview(head)
-    write_header(view, len(keys), len(head))
+    write_header(view, len(keys), len(head), FLAG_PREFIX if prefix else 0)
     write_table(view, keys, lengths)
+    if prefix:
+        PREFIX_HEAD.pack_into(view, start, len(prefix), 0)
+        view[start + PREFIX_HEAD.size :] = b"".join(prefix)
     return bytes(head)
 
 
@@ -148,13 +167,15 @@ def parse(
     *,
     max_count: int,
     max_value_bytes: int,
+    max_prefix: int = 0,
 ) -> Batch:
-    """Parse and fully validate a batch body.
+    """Parse and fully validate a batch body (``max_prefix``: most prefix keys taken;
+    0 refuses a body that names any).
 
     Raises:
         InputError: naming the first problem found (bad magic or version, a table that
             does not fit, a value out of bounds or overlapping the one before, too many
-            entries, a value too large or empty).
+            entries or prefix keys, a value too large or empty).
     """
     view = memoryview(body).cast("B")
     if view.nbytes < HEADER_BYTES:
@@ -166,11 +187,13 @@ def parse(
         raise InputError(f"batch body starts with {bytes(magic)!r}, expected magic {MAGIC!r}")
     if version != VERSION:
         raise InputError(f"batch format version {version}; this daemon speaks version {VERSION}")
-    if flags & ~FLAG_TRUNCATED:
+    if flags & ~(FLAG_TRUNCATED | FLAG_PREFIX):
         raise InputError(f"unknown batch flags {flags:#x}")
     if count > max_count:
         raise InputError(f"batch of {count} entries; the limit is {max_count}")
     need = table_bytes(count)
+    prefix = _prefix(view, need, payload_offset, max_prefix) if flags & FLAG_PREFIX else ()
+    need += PREFIX_HEAD.size + KEY_BYTES * len(prefix) if flags & FLAG_PREFIX else 0
     if payload_offset < need or payload_offset > view.nbytes:
         raise InputError(
             f"payload_offset {payload_offset} must lie in [{need}, {view.nbytes}] "
@@ -212,7 +235,24 @@ def parse(
         lengths=tuple(int(x) for x in lengths),
         payload=view[payload_offset:],
         truncated=bool(flags & FLAG_TRUNCATED),
+        prefix=prefix,
     )
+
+
+def _prefix(view: memoryview, at: int, payload_offset: int, limit: int) -> tuple[ChunkKey, ...]:
+    """The prefix keys at ``at`` (right after the table), checked against ``limit``."""
+    end = at + PREFIX_HEAD.size
+    if end > min(payload_offset, view.nbytes):
+        raise InputError("PREFIX is set but the prefix count does not fit before the payload")
+    n, reserved = PREFIX_HEAD.unpack_from(view, at)
+    if reserved:
+        raise InputError(f"prefix reserved field is {reserved}, must be 0")
+    if n > limit:
+        raise InputError(f"{n} prefix keys; the limit is {limit} (limits.max_prefix_keys)")
+    if end + KEY_BYTES * n > min(payload_offset, view.nbytes):
+        raise InputError(f"{n} prefix keys do not fit before the payload")
+    raw = bytes(view[end : end + KEY_BYTES * n])
+    return tuple(ChunkKey(raw[i : i + KEY_BYTES]) for i in range(0, len(raw), KEY_BYTES))
 
 
 def runs(batch: Batch) -> list[Run]:

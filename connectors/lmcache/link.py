@@ -88,6 +88,7 @@ class DaemonLink:
             return
         self._client.max_body_bytes = int(limits["max_body_bytes"])
         self._client.batch_keys = int(limits["max_batch_keys"])
+        self._client.prefix_keys = int(limits.get("max_prefix_keys", 0))
         self.max_value_bytes = int(limits["max_value_bytes"])
 
     # -- the breaker ------------------------------------------------------------------------

@@ -114,6 +114,7 @@ class RemoteStore:
         # Batches split under the daemon's own limits, not the client's defaults.
         self._client.max_body_bytes = int(limits["max_body_bytes"])
         self._client.batch_keys = int(limits["max_batch_keys"])
+        self._client.prefix_keys = int(limits.get("max_prefix_keys", 0))
         log.info(
             "kvtier daemon mode: %s, chunk %d B (daemon max_value_bytes %d)",
             self.settings.url,
@@ -150,7 +151,7 @@ class RemoteStore:
         """Store ``len(keys)`` chunks packed in ``data``; a dropped save counts as failed.
 
         ``prefix``: the sequence's earlier chunks, which the daemon protects while it
-        makes room (over the same-host channel; dropped over HTTP).
+        makes room (over HTTP too, unless the daemon predates it).
         """
         n = len(keys)
         if not n:

@@ -58,16 +58,29 @@ def router(d: Daemon) -> APIRouter:
         body = await read_body(request, d.limits.max_body_bytes, "batch body")
         try:
             batch = wire.parse(
-                body, max_count=d.limits.max_batch_keys, max_value_bytes=d.limits.max_value_bytes
+                body,
+                max_count=d.limits.max_batch_keys,
+                max_value_bytes=d.limits.max_value_bytes,
+                max_prefix=d.limits.max_prefix_keys,
             )
         except InputError as exc:
             raise ApiError(400, "bad_batch", str(exc)) from None
         if len(set(batch.keys)) != len(batch.keys):
             raise ApiError(400, "duplicate_key", "a batch names the same key twice")
         ikeys = d.mapper.map(t, batch.keys)
+        iprefix = d.mapper.map(t, batch.prefix) if batch.prefix else []
         runs = wire.runs(batch)
+        # A batch that names a prefix is one sequence: a run's prefix is the chunks before
+        # the batch, then the batch's own before the run (the store pins those present).
         futs: list[Awaitable[PutResult]] = [
-            _wait(d.store.put(ikeys[r.start : r.start + r.count], r.data)) for r in runs
+            _wait(
+                d.store.put(
+                    ikeys[r.start : r.start + r.count],
+                    r.data,
+                    prefix=[*iprefix, *ikeys[: r.start]] if iprefix else (),
+                )
+            )
+            for r in runs
         ]
         results = list(await asyncio.gather(*futs))
         stored_bytes = sum(res.stored * r.value_bytes for res, r in zip(results, runs, strict=True))

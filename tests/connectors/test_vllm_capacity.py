@@ -6,7 +6,8 @@ recently used chunks), the store would end with the prompt's tail, which no pref
 lookup ever reaches. The connector names the request's earlier chunks as the put's
 prefix, so the store keeps the head and declines the tail; the next identical prompt
 hits the head, and its output equals a recompute. The same holds in daemon mode (a
-real ``kvtier serve`` of 32 chunk slots, reached over its same-host channel).
+real ``kvtier serve`` of 32 chunk slots), reached over its same-host channel or, with
+that channel off as for a daemon on another host, over HTTP (the batch body's PREFIX).
 """
 
 from __future__ import annotations
@@ -33,17 +34,19 @@ STORE_CHUNKS = HOST_BYTES // CHUNK_BYTES  # 32 chunks of 64 tokens: 2048 tokens
 STEP_TOKENS = 4 * CHUNK  # chunked prefill: 4 chunks computed (and saved) per step
 
 
-@pytest.fixture(scope="module", params=["embedded", "daemon"])
+@pytest.fixture(scope="module", params=["embedded", "daemon", "daemon-http"])
 def small_steps(
     request: pytest.FixtureRequest, tiny_model: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Engine]:
     daemon = None
     extra: dict[str, object] = {}
-    if request.param == "daemon":
+    if request.param.startswith("daemon"):
         from tests.service.conftest import start_daemon
 
+        http_only = ("--set", "service.socket=") if request.param == "daemon-http" else ()
         daemon = start_daemon(
             tmp_path_factory.mktemp("capacity-daemon"),
+            *http_only,
             "--set",
             f"service.max_value_bytes={CHUNK_BYTES}",
             "--set",

@@ -244,3 +244,70 @@ def test_threads_sharing_one_client_never_see_each_others_bytes(daemon: Daemon) 
 
         with ThreadPoolExecutor(8) as pool:
             assert sum(pool.map(work, range(8))) == 8 * 15
+
+
+def test_an_http_put_prefix_keeps_a_long_sequence_head_on_a_full_daemon(
+    daemon_factory: DaemonFactory,
+) -> None:
+    """As the same-host test (tests/service/test_shm.py), over HTTP: a daemon of four
+    1 MiB slots without its same-host channel, a 12-chunk sequence put two chunks per
+    request. With each request naming the chunks before it (the batch body's PREFIX),
+    the head stays; without, the tail evicts it. A single put_many split into bodies
+    by the client names its own earlier bodies the same way."""
+    d = daemon_factory(
+        "--set",
+        "service.socket=",
+        "--set",
+        "tiers.0.capacity_bytes=4MiB",
+        "--set",
+        "store.placement=keep",
+    )
+    rng = np.random.default_rng(5)
+    with Client(d.url) as c:
+        assert c.same_host_socket is None
+        for way in ("none", "prefix", "split"):
+            seq = [os.urandom(16) for _ in range(12)]
+            values = [rng.integers(0, 256, MiB, dtype=np.uint8).tobytes() for _ in seq]
+            if way == "split":
+                c.batch_keys = 2
+                c.put_many(seq, values)
+                c.batch_keys = 1024
+            else:
+                for i in range(0, 12, 2):
+                    c.put_many(seq[i : i + 2], values[i : i + 2],
+                               prefix=seq[:i] if way == "prefix" else ())
+            hit = c.lookup(seq)
+            if way == "none":
+                assert hit.hits == 0  # each request evicted the oldest: the head
+            else:
+                assert hit.hits == 4, way  # the head, the whole store
+                out = bytearray(4 * MiB)
+                assert c.get_into(seq, out).chunks == 4
+                assert bytes(out) == b"".join(values[:4])
+            for k in seq:
+                c.delete(k)
+        assert c.prefix_keys == 1024  # read once from the daemon's limits
+        # A prefix over the daemon's limit is refused naming it; nothing is stored.
+        body = wire.pack_head([os.urandom(16)], [1], [os.urandom(16)] * 1025) + b"v"
+        r = httpx.post(f"{d.url}/v1/batch/put", content=body)
+        assert r.status_code == 400 and "limit is 1024" in r.json()["message"]
+
+
+def test_a_client_sends_no_prefix_to_a_daemon_that_takes_none() -> None:
+    """A daemon without ``limits.max_prefix_keys`` (older than the PREFIX flag) would
+    refuse the flag: the client reads the limits and puts without it."""
+    seen: list[bytes] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/stats":
+            limits = {"max_value_bytes": MiB, "max_body_bytes": 64 * MiB, "max_batch_keys": 64}
+            return httpx.Response(200, json={"limits": limits})
+        body = request.read()
+        seen.append(body)
+        flags = int.from_bytes(body[6:8], "little")
+        assert not flags & wire.FLAG_PREFIX
+        return httpx.Response(200, json={"stored": 2, "present": 0, "rejected": 0, "failed": 0})
+
+    with Client("http://192.0.2.1:1", transport=httpx.MockTransport(handler)) as c:
+        res = c.put_many([os.urandom(16), os.urandom(16)], [b"a", b"b"], prefix=[os.urandom(16)])
+    assert res.stored == 2 and len(seen) == 1 and c.prefix_keys == 0

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvtier.service.schemas import StoreStatsModel, TierStatsModel, as_json, model_of
-from kvtier.store.types import StoreStats
+from kvtier.store.types import PolicyCount, StoreStats
 from kvtier.tiers.base import TierStats
 
 
@@ -41,12 +41,14 @@ def test_a_field_added_to_a_dataclass_appears_in_its_model() -> None:
 def test_store_stats_round_trip_through_the_models() -> None:
     tier = TierStats("host", "host", 10, 4, 2, 1, 0.0, 5, 6, 7, 8, False)
     fields = {f.name: 0 for f in dataclasses.fields(StoreStats)}
-    fields.update(tier_hits=(("host", 3),), tiers=(tier,))
+    count = PolicyCount("budget_available_bytes", 12.5, "nvme", gauge=True, help="left")
+    fields.update(tier_hits=(("host", 3),), tiers=(tier,), placement=(count,))
     st = StoreStats(**fields)
     assert set(TierStatsModel.model_fields) == {f.name for f in dataclasses.fields(TierStats)}
     dumped = StoreStatsModel.model_validate(as_json(st)).model_dump()
     assert dumped["tier_hits"] == {"host": 3}
     assert dumped["tiers"][0] == dataclasses.asdict(tier)
+    assert dumped["placement"] == [dataclasses.asdict(count)]
 
 
 def test_head_end_finds_the_marker_within_and_across_reads() -> None:

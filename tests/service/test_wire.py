@@ -57,6 +57,46 @@ def test_malformed_bodies_are_refused_naming_the_problem(body: bytes, match: str
         wire.parse(body, max_count=2, max_value_bytes=64)
 
 
+@given(
+    st.lists(st.binary(min_size=1, max_size=64), min_size=1, max_size=8),
+    st.integers(min_value=0, max_value=5),
+)
+def test_prefix_keys_round_trip_and_old_readers_see_padding(values: list[bytes], n: int) -> None:
+    keys = [os.urandom(16) for _ in values]
+    prefix = [os.urandom(16) for _ in range(n)]
+    body = wire.pack_head(keys, [len(v) for v in values], prefix) + b"".join(values)
+    batch = wire.parse(body, max_count=8, max_value_bytes=64, max_prefix=5)
+    assert list(batch.prefix) == prefix
+    assert list(batch.keys) == keys
+    assert [bytes(batch.value(i)) for i in range(len(values))] == values
+    flags = struct.unpack_from("<H", body, 6)[0]
+    assert flags == (wire.FLAG_PREFIX if prefix else 0)
+
+
+def _prefixed(count_field: int, keys_given: int, reserved: int = 0) -> bytes:
+    """One value of b"v" after a PREFIX section that announces ``count_field`` keys."""
+    start = wire.table_bytes(1)
+    section = struct.pack("<II", count_field, reserved) + os.urandom(16) * keys_given
+    head = struct.pack("<4sHHII", b"KVTB", 1, wire.FLAG_PREFIX, 1, start + len(section))
+    return head + os.urandom(16) + struct.pack("<QQ", 0, 1) + section + b"v"
+
+
+@pytest.mark.parametrize(
+    ("body", "limit", "match"),
+    [
+        (_prefixed(1, 1), 0, "limit is 0"),  # a daemon that takes none
+        (_prefixed(3, 3), 2, "3 prefix keys; the limit is 2"),
+        (_prefixed(1, 1, reserved=7), 2, "reserved"),
+        # Announces more keys than lie before the payload (the count lies).
+        (_prefixed(2, 1), 2, "do not fit"),
+        (struct.pack("<4sHHII", b"KVTB", 1, wire.FLAG_PREFIX, 0, 16), 2, "prefix count"),
+    ],
+)
+def test_malformed_prefixes_are_refused(body: bytes, limit: int, match: str) -> None:
+    with pytest.raises(InputError, match=match):
+        wire.parse(body, max_count=2, max_value_bytes=64, max_prefix=limit)
+
+
 def test_padding_and_gaps_are_allowed() -> None:
     batch = wire.parse(
         _body([(0, 2), (8, 3)], b"ab______cde", payload_offset=4096),
