@@ -190,14 +190,17 @@ class Mover:
                 lengths.extend([run.value_bytes] * run.n)
         finally:
             self.index.unread(slots)
-        with self.index.lock:
+        with self.index.lock:  # every placement hook runs under the store's lock
             by_tier = self.index.note_hits(slots[:done], pos)
             for t, ks in by_tier.items():
                 self.placement.on_hit(t, ks)
-        if self.promote_on_hit:
-            for t, ks in by_tier.items():
-                if t > 0 and self.placement.should_promote(t, ks):
-                    self._background(functools.partial(self._promote, ks))
+            promote = [
+                ks
+                for t, ks in by_tier.items()
+                if self.promote_on_hit and t > 0 and self.placement.should_promote(t, ks)
+            ]
+        for ks in promote:
+            self._background(functools.partial(self._promote, ks))
         return GetResult(done, pos, tuple(lengths), tuple(tiers))
 
     def _promote(self, keys: list[ChunkKey]) -> None:

@@ -11,7 +11,7 @@ import pytest
 from kvtier.config import Switch
 from kvtier.errors import ClosedError, InputError, TierIOError
 from kvtier.keys import ChunkKey
-from kvtier.store import EventKind, StoreEvent, TieredStore
+from kvtier.store import EventKind, StoreEvent, TieredStore, WriteThrough
 from kvtier.tiers.base import SlotRun, TierGeometry
 from kvtier.tiers.host import HostTier, Options
 
@@ -37,6 +37,58 @@ def two_tier() -> Iterator[TieredStore]:
     store = TieredStore([host("top", 8), host("low", 32)], io_threads=2, promote_on_hit=True)
     yield store
     store.close()
+
+
+class _LockChecking(WriteThrough):
+    """A placement that records whether each hook ran under the store's lock."""
+
+    def __init__(self) -> None:
+        self.store: TieredStore | None = None
+        self.unlocked: list[str] = []
+
+    def _check(self, hook: str) -> None:
+        assert self.store is not None
+        if not self.store._index.lock._is_owned():  # type: ignore[attr-defined]
+            self.unlocked.append(hook)
+
+    def admit(self, tier: int, keys, value_bytes: int) -> bool:
+        self._check("admit")
+        return True
+
+    def demote_target(self, tier: int, n_tiers: int, keys) -> int | None:
+        self._check("demote_target")
+        return super().demote_target(tier, n_tiers, keys)
+
+    def on_hit(self, tier: int, keys) -> None:
+        self._check("on_hit")
+
+    def on_miss(self, keys) -> None:
+        self._check("on_miss")
+
+    def should_promote(self, tier: int, keys) -> bool:
+        self._check("should_promote")
+        return True
+
+
+def test_every_placement_hook_runs_under_the_store_lock() -> None:
+    # The contract of kvtier.store.policy: hooks are called under the store's lock (a
+    # policy keeps counters and evidence that I/O threads would otherwise race on).
+    policy = _LockChecking()
+    store = TieredStore(
+        [host("top", 2), host("low", 8)], io_threads=2, placement=policy, promote_on_hit=True
+    )
+    policy.store = store
+    try:
+        keys = [key(i) for i in range(6)]
+        store.put(keys, rand(6 * SLOT)).result()  # admit, then demotions
+        store.lookup([key(99)])  # a miss
+        low = [k for k in keys if store.lookup([k]).tiers == ("low",)]
+        assert low
+        assert store.get(low[:1], np.zeros(SLOT, np.uint8)).result().tiers == ("low",)
+        store.drain()  # the promotion it decided on
+        assert policy.unlocked == []
+    finally:
+        store.close()
 
 
 def test_demote_then_promote_on_hit(two_tier: TieredStore) -> None:
