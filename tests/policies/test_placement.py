@@ -160,13 +160,18 @@ def test_demotes_reused_chunks_and_drops_one_offs() -> None:
         store.close()
 
 
+def _reuse_under_a_spent_budget(store: TieredStore, clock: Clock) -> None:
+    """Six conversations of 4 chunks, each asked twice, 10 s apart."""
+    for r in range(6):
+        clock.t += 10
+        replay(store, [[r * 10 + j for j in range(4)], [r * 10 + j for j in range(4)]])
+
+
 def test_write_budget_of_zero_keeps_ssd_untouched() -> None:
     clock = Clock()
     store, placement, _ = make_store(4, 16, 0.0, clock)
     try:
-        for r in range(6):
-            clock.t += 10
-            replay(store, [[r * 10 + j for j in range(4)], [r * 10 + j for j in range(4)]])
+        _reuse_under_a_spent_budget(store, clock)
         assert store.stats().tiers[1].bytes_written == 0
         assert sum(placement.stats().budget_refusals) > 0
     finally:
@@ -179,9 +184,7 @@ def test_the_store_stats_carry_what_placement_decided_and_why() -> None:
     clock = Clock()
     store, placement, _ = make_store(4, 16, 0.0, clock)
     try:
-        for r in range(6):
-            clock.t += 10
-            replay(store, [[r * 10 + j for j in range(4)], [r * 10 + j for j in range(4)]])
+        _reuse_under_a_spent_budget(store, clock)
         report = {(c.name, c.tier): c for c in store.stats().placement}
         mine = placement.stats()
         assert report["refused_budget_chunks", "ssd"].value == mine.budget_refusals[1] > 0

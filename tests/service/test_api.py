@@ -181,16 +181,23 @@ def test_openapi_documents_the_binary_formats(http: httpx.Client) -> None:
     assert doc["components"]["x-kvtier-batch-format"]["entry_bytes"] == 32
 
 
-def test_data_dir_keeps_the_cache_across_a_restart(daemon_factory, tmp_path) -> None:
-    # A host tier of 8 slots: most of the 20 values are demoted to the nvme tier that
-    # --data-dir adds, and only those survive the restart (the key salt does too).
-    args = (
+def _eight_slots_over_nvme(data_dir: Path) -> tuple[str, ...]:
+    """Daemon arguments: a host tier of 8 slots over the nvme tier --data-dir adds."""
+    return (
         "--data-dir",
-        str(tmp_path),
+        str(data_dir),
         "--set",
         "tiers.0.capacity_bytes=8MiB",
         "--set",
         "service.data_capacity_bytes=64MiB",
+    )
+
+
+def test_data_dir_keeps_the_cache_across_a_restart(daemon_factory, tmp_path) -> None:
+    # A host tier of 8 slots: most of the 20 values are demoted to the nvme tier that
+    # --data-dir adds, and only those survive the restart (the key salt does too).
+    args = (
+        *_eight_slots_over_nvme(tmp_path),
         # Persistence is under test, not admission: the cost model would drop these
         # one-off values rather than write them to the SSD.
         "--set",
@@ -218,14 +225,7 @@ def test_stats_and_metrics_say_what_placement_decided(daemon_factory, tmp_path) 
     # The default (cost) placement over a host tier of 8 slots and an nvme tier: 20
     # one-off values overflow the host tier, and the daemon reports, per tier and by
     # reason, where its victims went, in /v1/stats and /metrics alike.
-    d = daemon_factory(
-        "--data-dir",
-        str(tmp_path),
-        "--set",
-        "tiers.0.capacity_bytes=8MiB",
-        "--set",
-        "service.data_capacity_bytes=64MiB",
-    )
+    d = daemon_factory(*_eight_slots_over_nvme(tmp_path))
     with httpx.Client(base_url=d.url) as h:
         for _ in range(20):
             assert h.put(f"/v1/chunks/{key()}", content=os.urandom(65536)).json()["stored"] == 1
