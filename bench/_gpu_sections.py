@@ -35,7 +35,7 @@ from kvtier.bench._gpu_case import (
     timed,
 )
 from kvtier.bench.common import envelope
-from kvtier.transfer import Layout, TransferEngine, TransferHandle, TransferOptions
+from kvtier.transfer import Layout, TransferEngine, TransferHandle, TransferOptions, kernels
 
 
 def run_case(
@@ -614,6 +614,9 @@ def run(a: argparse.Namespace) -> int:
         "staging_bytes": opts.staging_bytes,
         "slots": opts.slots,
         "ramp_bytes": opts.ramp_bytes,
+        "gather_kernel": opts.gather_kernel,
+        "kernel_programs": opts.kernel_programs,
+        "unit_kernel": dev.type == "cuda" and opts.gather_kernel and kernels.unavailable() is None,
     }
     out_path = a.json
 

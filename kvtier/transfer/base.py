@@ -50,10 +50,20 @@ class TransferOptions:
     # Budget of the first store unit and the last load unit, doubling up to a slot: the
     # steps nothing overlaps stay short (0: every unit is a full slot), bytes.
     ramp_bytes: int = 4 * _MiB
+    # CUDA: fill (store) or empty (load) a staging slot with ONE Triton kernel launch
+    # for all its layers, instead of one ``index_select`` / ``index_copy_`` per layer
+    # (~25 us of CPU each, which short transfers wait for); needs Triton.
+    gather_kernel: bool = True
+    # Programs of that kernel's persistent grid (it moves HBM to HBM and is brief).
+    kernel_programs: int = 264
 
     def __post_init__(self) -> None:
         if self.slots < 1 or self.slots > 16:
             raise ConfigError("transfer.slots", self.slots, "an integer in [1, 16]")
+        if not 1 <= self.kernel_programs <= 4096:
+            raise ConfigError(
+                "transfer.kernel_programs", self.kernel_programs, "an integer in [1, 4096]"
+            )
         if self.staging_bytes < self.slots * 4096:
             raise ConfigError(
                 "transfer.staging_bytes", self.staging_bytes, f">= {self.slots * 4096}"

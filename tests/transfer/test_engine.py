@@ -35,6 +35,22 @@ def _cuda_reason() -> str | None:
     return None
 
 
+def _kernel_reason() -> str | None:
+    from kvtier.transfer.kernels import unavailable
+
+    return unavailable()
+
+
+def _host(n: int, device: str, fill: torch.Tensor | int = POISON) -> torch.Tensor:
+    """A host buffer of ``n`` bytes, page-locked on CUDA (as the host tier's arena is)."""
+    out = torch.empty(n, dtype=torch.uint8, pin_memory=device == "cuda")
+    if isinstance(fill, int):
+        out.fill_(fill)
+    else:
+        out.copy_(fill)
+    return out
+
+
 # (device, staging options): the CPU direct path, the staged pipeline on CPU with slots
 # small enough to split layers into block ranges, layer groups, and the same on CUDA.
 ENGINES = [
@@ -75,6 +91,26 @@ ENGINES = [
         marks=[
             pytest.mark.gpu,
             pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason())),
+        ],
+    ),
+    # Without the unit kernel (one launch per layer), and the kernel on a 3-program grid
+    # (each program loops over many pages).
+    pytest.param(
+        "cuda",
+        TransferOptions(staging_bytes=1 << 20, slots=2, ramp_bytes=8192, gather_kernel=False),
+        id="cuda-per-layer",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason())),
+        ],
+    ),
+    pytest.param(
+        "cuda",
+        TransferOptions(staging_bytes=1 << 20, slots=2, ramp_bytes=8192, kernel_programs=3),
+        id="cuda-kernel-3",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(_kernel_reason() is not None, reason=str(_kernel_reason())),
         ],
     ),
 ]
@@ -157,14 +193,15 @@ def test_round_trip_every_byte(layout, dtype, device, options):
     ids = torch.randperm(BLOCKS, generator=torch.Generator().manual_seed(2))[:23].tolist()
     bd = _block_dim(layout)
 
-    host = torch.full((kv.nbytes(len(ids)),), POISON, dtype=torch.uint8)
+    host = _host(kv.nbytes(len(ids)), device)
     engine.store(kv, ids, host).wait()
     assert host.numpy().tobytes() == _host_ref(layers, ids, bd)
 
     # Load different random bytes into poisoned blocks: loaded blocks must equal the
     # host bytes, every other block must still be poison.
-    src = torch.randint(
-        0, 256, (host.numel(),), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(3)
+    src = _host(
+        host.numel(), device, torch.randint(0, 256, (host.numel(),), dtype=torch.uint8, generator=g)
     )
     _fill_poison(layers)
     h = engine.load(src, kv, ids)
@@ -213,12 +250,13 @@ def test_block_major_round_trip_every_byte(layout, dtype, device, options):
     ids = torch.randperm(BLOCKS, generator=torch.Generator().manual_seed(12))[:19].tolist()
     bd = _block_dim(layout)
 
-    host = torch.full((kv.nbytes(len(ids)),), POISON, dtype=torch.uint8)
+    host = _host(kv.nbytes(len(ids)), device)
     engine.store(kv, ids, host, order=HostOrder.BLOCK).wait()
     assert host.numpy().tobytes() == _rows_ref(layers, ids, bd)
 
-    src = torch.randint(
-        0, 256, (host.numel(),), dtype=torch.uint8, generator=torch.Generator().manual_seed(13)
+    g = torch.Generator().manual_seed(13)
+    src = _host(
+        host.numel(), device, torch.randint(0, 256, (host.numel(),), dtype=torch.uint8, generator=g)
     )
     _fill_poison(layers)
     h = engine.load(src, kv, ids, order=HostOrder.BLOCK)
@@ -242,7 +280,7 @@ def test_back_to_back_transfers_reuse_slots(device, options):
     engine = TransferEngine(device, options)
     g = torch.Generator().manual_seed(5)
     batches = [torch.randperm(BLOCKS, generator=g)[:k].tolist() for k in (5, 17, 1, 30)]
-    hosts = [torch.full((kv.nbytes(len(b)),), POISON, dtype=torch.uint8) for b in batches]
+    hosts = [_host(kv.nbytes(len(b)), device) for b in batches]
     handles = [engine.store(kv, b, h) for b, h in zip(batches, hosts, strict=True)]
     for h in handles:
         h.wait()
@@ -254,7 +292,8 @@ def test_back_to_back_transfers_reuse_slots(device, options):
     perm = torch.randperm(BLOCKS, generator=g).tolist()
     sets = [perm[0:7], perm[7:20], perm[20:21], perm[21:37]]
     srcs = [
-        torch.randint(0, 256, (kv.nbytes(len(s)),), dtype=torch.uint8, generator=g) for s in sets
+        _host(n, device, torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g))
+        for n in (kv.nbytes(len(s)) for s in sets)
     ]
     loads = [engine.load(src, kv, s) for src, s in zip(srcs, sets, strict=True)]
     for h in loads:
@@ -437,3 +476,12 @@ def test_caches_are_strided_like_vllm(name):
     # vLLM's last (C) axis is counted in bytes, ours in elements.
     got = (layer_stride, *(s * es for s in layers[0].stride()[:3]), 1)
     assert got == tuple(want)
+
+
+def test_the_unit_kernel_runs_where_it_can():
+    """On CUDA with Triton the default engine fills slots with one launch per unit; a
+    CPU engine, or the option turned off, keeps one launch per layer."""
+    assert not TransferEngine("cpu", TransferOptions(cpu_direct=False)).unit_kernel
+    if _kernel_reason() is None:
+        assert TransferEngine("cuda").unit_kernel
+        assert not TransferEngine("cuda", TransferOptions(gather_kernel=False)).unit_kernel

@@ -22,6 +22,7 @@ import pytest
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.tiers.registry import tier_options_class
+from kvtier.transfer.base import TransferOptions
 from kvtier.units import GiB, parse_size
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,6 +46,7 @@ SECTIONS: dict[str, tuple[Any, set[str]]] = {
     "## nvme": ("nvme", set()),
     "## redis": ("redis", set()),
     '## meta tier (`kind = "meta"`)': ("meta", set()),
+    "## Transfer engine (`kvtier.transfer.TransferOptions`)": (TransferOptions(), set()),
 }
 
 
@@ -58,7 +60,7 @@ def table_rows(heading: str) -> dict[str, str]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) < 3 or not cells[0].startswith("`"):
             continue
-        keys = re.findall(r"`([a-z_0-9]+)`", cells[0])
+        keys = re.findall(r"`(?:transfer\.)?([a-z_0-9]+)`", cells[0])
         values = [v.strip() for v in cells[1].split(",")] if len(keys) > 1 else [cells[1]]
         for k, v in zip(keys, values, strict=True):
             rows[k] = v

@@ -1,0 +1,161 @@
+"""One kernel launch to fill or empty a staging slot, whatever its number of layers.
+
+The staged pipeline (:mod:`kvtier.transfer.engine`) fills a slot (store) with one
+``index_select`` per layer and empties it (load) with one ``index_copy_`` per layer: ~25 us
+of CPU each, so a 2K-token transfer of a 32-layer model spends ~0.8 ms enqueueing kernels
+against a ~5 ms copy, and short transfers reach only ~0.9x of one contiguous copy. This
+kernel moves the pages of every layer of a unit in ONE launch, HBM to HBM; the copy
+engine still does the PCIe copy.
+
+A table of layer base addresses (one int64 per layer, built once per cache) lets one
+program reach any layer: a task is one slice of ``WORDS`` words of one run of one page,
+``(layer, run, block)``, and a persistent grid of ``programs`` takes them in turn.
+
+Tried and dropped (docs/benchmarks.md, 2026-12-02): the same kernel reading and writing
+page-locked host memory directly (no staging, one launch per transfer). Over PCIe the SMs
+reached 0.87-0.94x (stores) and 0.84-0.92x (loads) of the staged copy-engine path's
+ceiling, below that path at every size but the 2K store, and slowed concurrent matmuls
+1.14-2.0x.
+
+Needs Triton (shipped with CUDA builds of torch). :func:`unavailable` says why the
+kernel cannot run here; the engine then keeps one launch per layer.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+# Words one program moves per slice of a run (a 64 KiB run of int64 words is 8 slices).
+_WORDS = 1024
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """Why the copy kernels cannot run in this process, or None when they can."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import triton
+        import triton.language  # noqa: F401
+    except ImportError as exc:
+        return f"triton is not importable ({exc})"
+    return None
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    # ``n`` varies per transfer; specializing on it would compile a variant per value class.
+    @triton.jit(do_not_specialize=["n", "tasks"])  # type: ignore[untyped-decorator]
+    def copy_pages(  # type: ignore[no-untyped-def]
+        table,
+        ids,
+        host,
+        n,
+        runs,
+        s_run,
+        s_block,
+        h_layer,
+        h_run,
+        h_block,
+        run_words,
+        tasks,
+        STORE: tl.constexpr,
+        WORDS: tl.constexpr,
+    ):
+        # A persistent grid: program p takes tasks p, p + P, ... so a transfer occupies
+        # only P multiprocessors, whatever its size (the model's kernels keep the rest).
+        slices = tl.cdiv(run_words, WORDS)
+        for t in range(tl.program_id(0), tasks, tl.num_programs(0)):
+            row = t.to(tl.int64) // slices  # type: ignore[attr-defined]
+            offs = (t % slices) * WORDS + tl.arange(0, WORDS)
+            j = row % n
+            lr = row // n
+            r = lr % runs
+            layer = lr // runs
+            base = tl.load(table + layer).to(tl.pointer_type(host.dtype.element_ty))
+            page = base + r * s_run + tl.load(ids + j) * s_block
+            flat = host + (layer * h_layer + r * h_run + j * h_block) * run_words
+            m = offs < run_words
+            if STORE:
+                tl.store(flat + offs, tl.load(page + offs, mask=m), mask=m)
+            else:
+                tl.store(page + offs, tl.load(flat + offs, mask=m), mask=m)
+
+    return copy_pages
+
+
+class LayerTable:
+    """The device-side table of one cache's layer addresses, and their shared strides.
+
+    Args:
+        layers: the cache's word views (``PagedKV.layers``), all on one CUDA device.
+
+    ``usable`` is False (with ``reason``) when the layers' word strides differ, which a
+    single kernel cannot express; the engine then uses the staged pipeline.
+    """
+
+    def __init__(self, layers: list[torch.Tensor]) -> None:
+        first = layers[0]
+        self.s_run, self.s_block = first.stride(0), first.stride(1)
+        self.reason: str | None = None
+        if any(t.stride()[:2] != (self.s_run, self.s_block) for t in layers):
+            self.reason = "layers of this cache have different strides"
+        self.table = torch.tensor(
+            [t.data_ptr() for t in layers], dtype=torch.int64, device=first.device
+        )
+
+    @property
+    def usable(self) -> bool:
+        return self.reason is None
+
+
+def launch(
+    store: bool,
+    table: LayerTable,
+    ids: torch.Tensor,
+    stage: torch.Tensor,
+    *,
+    first_layer: int,
+    num_layers: int,
+    runs: int,
+    n: int,
+    run_words: int,
+    block_major: bool,
+    programs: int,
+    words: int = _WORDS,
+    warps: int = 4,
+) -> None:
+    """Enqueue, on the current stream, one copy of pages ``ids`` of layers
+    ``[first_layer, first_layer + num_layers)`` into (``store``) or out of ``stage``.
+
+    ``stage``: contiguous words, ``[layer][run][block]`` or, with ``block_major``,
+    ``[block][layer][run]`` (the strides below count runs of ``run_words``).
+    """
+    if block_major:
+        h_layer, h_run, h_block = runs, 1, num_layers * runs
+    else:
+        h_layer, h_run, h_block = runs * n, n, 1
+    tasks = num_layers * runs * n * -(-run_words // words)
+    _kernel()[(min(programs, tasks),)](
+        table.table[first_layer:],
+        ids,
+        stage,
+        n,
+        runs,
+        table.s_run,
+        table.s_block,
+        h_layer,
+        h_run,
+        h_block,
+        run_words,
+        tasks,
+        STORE=store,
+        WORDS=words,
+        num_warps=warps,
+    )
