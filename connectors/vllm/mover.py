@@ -271,6 +271,7 @@ class EngineBlockMover(BlockMover):
         self.page_bytes = self.kv.geometry.page_bytes
         self.layout = layout_tag(layers[0])
         self.engine = TransferEngine(self.device, opts)
+        self.engine.prepare(self.kv)  # compile the unit kernel now, not on the first save
         # The save thread's copies wait for the engine thread's mark() on this stream;
         # the engine's own streams then wait for it (TransferEngine orders after the
         # caller's current stream).

@@ -41,7 +41,7 @@ from typing_extensions import override
 
 from kvtier.errors import ClosedError, InputError
 from kvtier.transfer.base import HostOrder, PagedTransfer, TransferHandle, TransferOptions
-from kvtier.transfer.kernels import LayerTable, launch, unavailable
+from kvtier.transfer.kernels import LayerTable, compile_for, launch, unavailable
 from kvtier.transfer.layout import PagedKV
 from kvtier.transfer.sync import CpuSync, Sync
 
@@ -473,6 +473,26 @@ class TransferEngine(PagedTransfer):
             if not table.usable:
                 log.info("transfer engine: one launch per layer for this cache: %s", table.reason)
         return table if table.usable else None
+
+    def prepare(self, kv: PagedKV) -> bool:
+        """Get ready to move ``kv``'s pages: build its layer table and compile the unit
+        kernel for it (call once, where the caches are registered). Returns whether the
+        unit kernel will run for it; without this call, the first transfer compiles it."""
+        table = self._table(kv)
+        if table is None:
+            return False
+        ids = torch.zeros(1, dtype=torch.int64, device=self.device)
+        stage = self._staging[_STORE][0].view(kv.word_dtype)
+        with torch.cuda.device(self.device):
+            compile_for(
+                table,
+                ids,
+                stage,
+                kv.geometry.run_bytes // kv.word_bytes,
+                kv.geometry.runs,
+                self.options.kernel_programs,
+            )
+        return True
 
     def _move(
         self,

@@ -50,8 +50,13 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    # ``n`` varies per transfer; specializing on it would compile a variant per value class.
-    @triton.jit(do_not_specialize=["n", "tasks"])  # type: ignore[untyped-decorator]
+    # What varies per transfer (its block count and what follows from it, and the
+    # alignment of the table and id slices a unit starts at) is not specialized on, so
+    # a cache compiles two variants (store, load) once, whatever the transfers; its
+    # strides, run size and the staging slot stay specialized (alignment hints).
+    @triton.jit(  # type: ignore[untyped-decorator]
+        do_not_specialize=["table", "ids", "n", "tasks", "h_layer", "h_run", "h_block"]
+    )
     def copy_pages(  # type: ignore[no-untyped-def]
         table,
         ids,
@@ -113,6 +118,48 @@ class LayerTable:
     @property
     def usable(self) -> bool:
         return self.reason is None
+
+
+def compile_for(
+    table: LayerTable,
+    ids: torch.Tensor,
+    stage: torch.Tensor,
+    run_words: int,
+    runs: int,
+    programs: int,
+    words: int = _WORDS,
+    warps: int = 4,
+) -> None:
+    """Compile both directions for one cache now, without running them (Triton's
+    ``warmup``), so the first transfer does not wait ~1 s for the compiler."""
+    for store in (True, False):
+        _kernel().warmup(
+            table.table,
+            ids,
+            stage,
+            1,
+            runs,
+            table.s_run,
+            table.s_block,
+            runs,
+            1,
+            1,
+            run_words,
+            1,
+            STORE=store,
+            WORDS=words,
+            num_warps=warps,
+            grid=(programs,),
+        )
+
+
+def compiled_variants() -> int | None:
+    """How many variants of the kernel this process has compiled (None: this Triton
+    does not say). For tests: transfers after :func:`compile_for` must add none."""
+    caches = getattr(_kernel(), "device_caches", None)
+    if caches is None:
+        return None
+    return sum(len(entry[0]) for entry in caches.values())
 
 
 def launch(

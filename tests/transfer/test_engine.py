@@ -481,7 +481,40 @@ def test_caches_are_strided_like_vllm(name):
 def test_the_unit_kernel_runs_where_it_can():
     """On CUDA with Triton the default engine fills slots with one launch per unit; a
     CPU engine, or the option turned off, keeps one launch per layer."""
-    assert not TransferEngine("cpu", TransferOptions(cpu_direct=False)).unit_kernel
+    cpu = TransferEngine("cpu", TransferOptions(cpu_direct=False))
+    assert not cpu.unit_kernel
+    assert not cpu.prepare(PagedKV(_make(Layout.LBHNC, torch.bfloat16, "cpu")))
     if _kernel_reason() is None:
         assert TransferEngine("cuda").unit_kernel
         assert not TransferEngine("cuda", TransferOptions(gather_kernel=False)).unit_kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_kernel_reason() is not None, reason=str(_kernel_reason()))
+def test_prepare_compiles_every_variant_transfers_use():
+    """After ``prepare``, transfers of any size, host order and unit split compile
+    nothing more (the first save of a served request must not wait for the compiler)."""
+    from kvtier.transfer import kernels
+
+    layers = _make(Layout.LBNHC, torch.bfloat16, "cuda")
+    _fill_random(layers, 21)
+    kv = PagedKV(layers)
+    engine = TransferEngine(
+        "cuda", TransferOptions(staging_bytes=1 << 20, slots=2, ramp_bytes=8192)
+    )
+    assert engine.prepare(kv)
+    before = kernels.compiled_variants()
+    if before is None:
+        pytest.skip("this Triton does not expose its compiled variants")
+    g = torch.Generator().manual_seed(22)
+    for k in (1, 2, 5, 16, 23, 37):
+        ids = torch.randperm(BLOCKS, generator=g)[:k].tolist()
+        for order in HostOrder:
+            host = _host(kv.nbytes(k), "cuda")
+            engine.store(kv, ids, host, order=order).wait()
+            ref = (
+                _host_ref(layers, ids, 0) if order is HostOrder.LAYER else _rows_ref(layers, ids, 0)
+            )
+            assert host.numpy().tobytes() == ref
+            engine.load(host, kv, ids, order=order).wait()
+    assert kernels.compiled_variants() == before
