@@ -294,6 +294,8 @@ def run_small(
         engines = {
             "ramp0": TransferEngine(dev, TransferOptions(ramp_bytes=0)),
             "ramp4M": TransferEngine(dev, TransferOptions(ramp_bytes=4 << 20)),
+            # The default without the unit kernel: one index_select launch per layer.
+            "per_layer": TransferEngine(dev, TransferOptions(gather_kernel=False)),
         }
         try:
             fns: dict[str, Callable[[], object]] = {
@@ -312,14 +314,16 @@ def run_small(
             row["raw"] = {k: summary(v, c.nbytes) for k, v in t.items()}
             row["raw_with_perblock"] = {k: summary(v, c.nbytes) for k, v in t2.items()}
             # Host-side cost: how long the enqueue call itself takes (no wait).
-            enq = []
-            for _ in range(5):
-                _sync(dev)
-                t0 = time.perf_counter()
-                h = engines["ramp0"].store(c.kv, c.ids_list, c.host)
-                enq.append(time.perf_counter() - t0)
-                h.wait()
-            row["enqueue_s"] = statistics.median(enq)
+            enq: dict[str, list[float]] = {k: [] for k in engines}
+            for _ in range(9):
+                for k, e in engines.items():
+                    _sync(dev)
+                    t0 = time.perf_counter()
+                    h = e.store(c.kv, c.ids_list, c.host)
+                    enq[k].append(time.perf_counter() - t0)
+                    h.wait()
+            row["enqueue_s"] = statistics.median(enq["ramp0"])
+            row["enqueue_s_by_engine"] = {k: statistics.median(v) for k, v in enq.items()}
             if dev.type == "cuda":
                 from torch.profiler import ProfilerActivity, profile
 
@@ -336,7 +340,10 @@ def run_small(
             rows.append(row)
             print(
                 f"small {tokens:>6}: x ceil ramp0 {row['x_ceiling_ramp0']:.3f} ramp4M "
-                f"{row['x_ceiling_ramp4M']:.3f}; with perblock in rotation "
+                f"{row['x_ceiling_ramp4M']:.3f} per-layer {row['x_ceiling_per_layer']:.3f}; "
+                f"enqueue default {row['enqueue_s_by_engine']['ramp4M'] * 1e3:.2f} ms, "
+                f"per-layer {row['enqueue_s_by_engine']['per_layer'] * 1e3:.2f} ms; "
+                "with perblock in rotation "
                 f"{row['x_ceiling_ramp0_with_perblock']:.3f}; "
                 f"enqueue {row['enqueue_s'] * 1e3:.2f} ms",
                 flush=True,
