@@ -45,10 +45,26 @@ class Tally:
     def __init__(self) -> None:
         self.seen: dict[int, int] = {}
         self.failures: list[str] = []
+        self.not_http = 0
 
     @property
     def total(self) -> int:
-        return sum(self.seen.values()) + len(self.failures)
+        return sum(self.seen.values()) + len(self.failures) + self.not_http
+
+
+# uvicorn's own answer to bytes that are not a valid HTTP request (a generated header
+# such as ``Content-Length: u4[v``): the request never reaches the application, so the
+# OpenAPI document, which describes the application, does not cover it.
+_UVICORN_BAD_REQUEST = b"Invalid HTTP request received."
+
+
+def _not_http(resp: Any) -> bool:
+    types = {k.lower(): v for k, v in resp.headers.items()}.get("content-type", [""])
+    return (
+        resp.status_code == 400
+        and str(types[0] if isinstance(types, list) else types).startswith("text/plain")
+        and resp.content == _UVICORN_BAD_REQUEST
+    )
 
 
 def fuzz(
@@ -66,7 +82,11 @@ def fuzz(
         # One request in four goes without the token: the 401 path is fuzzed too.
         headers = auth if tally.total % 4 != 3 else None
         try:
-            resp = case.call_and_validate(session=session, headers=headers, checks=CHECKS)
+            resp = case.call(session=session, headers=headers)
+            if _not_http(resp):
+                tally.not_http += 1
+                return
+            case.validate_response(resp, checks=CHECKS)
         except Exception as exc:
             tally.failures.append(f"{op.label} [{mode.value}]: {exc}"[:2000])
             return
@@ -91,7 +111,9 @@ def test_fuzz_live_openapi_has_no_server_errors(tenant_daemon: Daemon) -> None:
             fuzz(op, mode, session, auth, tally)
     seen, failures, total = tally.seen, tally.failures, tally.total
     assert not failures, "\n\n".join(failures[:5])
-    print(f"fuzz: {total} cases, statuses {sorted(seen.items())}")
+    print(f"fuzz: {total} cases, statuses {sorted(seen.items())}, not HTTP {tally.not_http}")
+    # The parser's rejections are rare accidents of generation, not what is fuzzed.
+    assert tally.not_http <= total // 20, tally.not_http
     assert total >= MIN_CASES, seen
     assert not any(code >= 500 for code in seen), seen
     # Still alive and still correct.
