@@ -127,29 +127,23 @@ def compile_for(
     run_words: int,
     runs: int,
     programs: int,
-    words: int = _WORDS,
-    warps: int = 4,
 ) -> None:
     """Compile both directions for one cache now, without running them (Triton's
     ``warmup``), so the first transfer does not wait ~1 s for the compiler."""
     for store in (True, False):
-        _kernel().warmup(
-            table.table,
-            ids,
+        launch(
+            store,
+            table,
+            ids[:1],
             stage,
-            1,
-            runs,
-            table.s_run,
-            table.s_block,
-            runs,
-            1,
-            1,
-            run_words,
-            1,
-            STORE=store,
-            WORDS=words,
-            num_warps=warps,
-            grid=(programs,),
+            first_layer=0,
+            num_layers=1,
+            runs=runs,
+            n=1,
+            run_words=run_words,
+            block_major=False,
+            programs=programs,
+            compile_only=True,
         )
 
 
@@ -177,19 +171,24 @@ def launch(
     programs: int,
     words: int = _WORDS,
     warps: int = 4,
+    compile_only: bool = False,
 ) -> None:
     """Enqueue, on the current stream, one copy of pages ``ids`` of layers
     ``[first_layer, first_layer + num_layers)`` into (``store``) or out of ``stage``.
 
     ``stage``: contiguous words, ``[layer][run][block]`` or, with ``block_major``,
-    ``[block][layer][run]`` (the strides below count runs of ``run_words``).
+    ``[block][layer][run]`` (the strides below count runs of ``run_words``);
+    ``compile_only``: compile this variant, run nothing.
     """
     if block_major:
         h_layer, h_run, h_block = runs, 1, num_layers * runs
     else:
         h_layer, h_run, h_block = runs * n, n, 1
     tasks = num_layers * runs * n * -(-run_words // words)
-    _kernel()[(min(programs, tasks),)](
+    grid = (min(programs, tasks),)
+    kernel = _kernel()
+    run = functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
+    run(
         table.table[first_layer:],
         ids,
         stage,
