@@ -35,7 +35,8 @@ from kvtier.bench._gpu_case import (
     timed,
 )
 from kvtier.bench.common import envelope
-from kvtier.transfer import Layout, TransferEngine, TransferHandle, TransferOptions, kernels
+from kvtier.transfer import Layout, TransferEngine, TransferHandle, TransferOptions
+from kvtier.transfer.engine import unit_kernel_reason
 
 
 def run_case(
@@ -623,7 +624,7 @@ def run(a: argparse.Namespace) -> int:
         "ramp_bytes": opts.ramp_bytes,
         "gather_kernel": opts.gather_kernel,
         "kernel_programs": opts.kernel_programs,
-        "unit_kernel": dev.type == "cuda" and opts.gather_kernel and kernels.unavailable() is None,
+        "unit_kernel": unit_kernel_reason(dev, opts) is None,
     }
     out_path = a.json
 

@@ -139,6 +139,16 @@ def _id_tensor(block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(block_ids, dtype=torch.int64, device="cpu")
 
 
+def unit_kernel_reason(device: torch.device, options: TransferOptions) -> str | None:
+    """Why an engine for ``device`` with ``options`` moves units one launch per layer,
+    or None when it uses the unit kernel (:attr:`TransferEngine.unit_kernel`)."""
+    if device.type != "cuda":
+        return f"a {device.type} device"
+    if not options.gather_kernel:
+        return "turned off"
+    return unavailable()
+
+
 class _Handle(TransferHandle):
     def __init__(
         self, sync: Sync, done: Any, layer_events: list[Any] | None, keep: tuple[Any, ...]
@@ -197,16 +207,15 @@ class TransferEngine(PagedTransfer):
 
             self._sync: Sync = CudaSync(self.device)
             self._direct = False
-            reason = unavailable() if self.options.gather_kernel else "turned off"
-            if reason is not None:
-                log.info("transfer engine: one launch per layer (no unit kernel: %s)", reason)
-            self._kernels_off = reason is not None
         elif self.device.type == "cpu":
-            self._kernels_off = True
             self._sync = CpuSync()
             self._direct = self.options.cpu_direct
         else:
             raise InputError(f"no transfer path for device type {self.device.type!r}")
+        reason = unit_kernel_reason(self.device, self.options)
+        if reason is not None and self.device.type == "cuda":
+            log.info("transfer engine: one launch per layer (no unit kernel: %s)", reason)
+        self._kernels_off = reason is not None
         self._lock = threading.Lock()
         self._tables: weakref.WeakKeyDictionary[PagedKV, LayerTable] = weakref.WeakKeyDictionary()
         slot_bytes = self.options.slot_bytes

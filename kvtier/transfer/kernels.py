@@ -13,8 +13,8 @@ program reach any layer: a task is one slice of ``WORDS`` words of one run of on
 
 Tried and dropped (docs/benchmarks.md, 2026-12-02): the same kernel reading and writing
 page-locked host memory directly (no staging, one launch per transfer). Over PCIe the SMs
-reached 0.87-0.94x (stores) and 0.84-0.92x (loads) of the staged copy-engine path's
-ceiling, below that path at every size but the 2K store, and slowed concurrent matmuls
+reached 0.87-0.94x (stores) and, with 32 programs or more, 0.85-0.92x (loads) of the
+one-copy ceiling, below that path at every size but the 2K store, and slowed concurrent matmuls
 1.14-2.0x.
 
 Needs Triton (shipped with CUDA builds of torch). :func:`unavailable` says why the

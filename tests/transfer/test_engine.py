@@ -51,6 +51,16 @@ def _host(n: int, device: str, fill: torch.Tensor | int = POISON) -> torch.Tenso
     return out
 
 
+_CUDA_MARKS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason())),
+]
+_KERNEL_MARKS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(_kernel_reason() is not None, reason=str(_kernel_reason())),
+]
+
+
 # (device, staging options): the CPU direct path, the staged pipeline on CPU with slots
 # small enough to split layers into block ranges, layer groups, and the same on CUDA.
 ENGINES = [
@@ -70,28 +80,19 @@ ENGINES = [
         "cuda",
         TransferOptions(staging_bytes=2 * 40960, slots=2),
         id="cuda-split",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason())),
-        ],
+        marks=_CUDA_MARKS,
     ),
     pytest.param(
         "cuda",
         TransferOptions(staging_bytes=1 << 20, slots=2, ramp_bytes=8192),
         id="cuda-ramp",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason())),
-        ],
+        marks=_CUDA_MARKS,
     ),
     pytest.param(
         "cuda",
         TransferOptions(staging_bytes=1 << 20, slots=3),
         id="cuda-groups",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason())),
-        ],
+        marks=_CUDA_MARKS,
     ),
     # Without the unit kernel (one launch per layer), and the kernel on a 3-program grid
     # (each program loops over many pages).
@@ -99,19 +100,13 @@ ENGINES = [
         "cuda",
         TransferOptions(staging_bytes=1 << 20, slots=2, ramp_bytes=8192, gather_kernel=False),
         id="cuda-per-layer",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason())),
-        ],
+        marks=_CUDA_MARKS,
     ),
     pytest.param(
         "cuda",
         TransferOptions(staging_bytes=1 << 20, slots=2, ramp_bytes=8192, kernel_programs=3),
         id="cuda-kernel-3",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(_kernel_reason() is not None, reason=str(_kernel_reason())),
-        ],
+        marks=_KERNEL_MARKS,
     ),
 ]
 
@@ -216,16 +211,11 @@ def test_round_trip_every_byte(layout, dtype, device, options):
     assert poison_bytes == bytes([POISON]) * len(poison_bytes)
 
 
-@pytest.mark.parametrize(("device", "options"), ENGINES)
 def _rows_ref(layers, ids, block_dim: int) -> bytes:
     """Host bytes in block-major order: [block][layer][run][run_bytes]."""
     return b"".join(_page_ref(t, b, block_dim) for b in ids for t in layers)
 
 
-_CUDA_MARKS = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(_cuda_reason() is not None, reason=str(_cuda_reason())),
-]
 # Block-major adds slots smaller than one block of every layer (3 x 4 KiB for bf16), so
 # a block is cut into layer ranges.
 ROW_ENGINES = [
