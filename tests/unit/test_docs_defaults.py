@@ -22,7 +22,6 @@ import pytest
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.tiers.registry import tier_options_class
-from kvtier.transfer.base import TransferOptions
 from kvtier.units import GiB, parse_size
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,8 +33,15 @@ DEFAULT = load_config(env={})
 # table does not list on purpose).
 SECTIONS: dict[str, tuple[Any, set[str]]] = {
     # The top-level table lists plain keys; each section has its own table below.
-    "## Top level": (DEFAULT, {f.name for f in dataclasses.fields(KVTierConfig)
-                               if dataclasses.is_dataclass(getattr(DEFAULT, f.name))} | {"tiers"}),
+    "## Top level": (
+        DEFAULT,
+        {
+            f.name
+            for f in dataclasses.fields(KVTierConfig)
+            if dataclasses.is_dataclass(getattr(DEFAULT, f.name))
+        }
+        | {"tiers"},
+    ),
     "## `[model]`": (DEFAULT.model, set()),
     "## `[store]`": (DEFAULT.store, set()),
     "## `[service]`": (DEFAULT.service, set()),
@@ -46,8 +52,13 @@ SECTIONS: dict[str, tuple[Any, set[str]]] = {
     "## nvme": ("nvme", set()),
     "## redis": ("redis", set()),
     '## meta tier (`kind = "meta"`)': ("meta", set()),
-    "## Transfer engine (`kvtier.transfer.TransferOptions`)": (TransferOptions(), set()),
 }
+try:  # the transfer package needs torch, an optional dependency
+    from kvtier.transfer import TransferOptions
+except ImportError:
+    pass
+else:
+    SECTIONS["## Transfer engine (`kvtier.transfer.TransferOptions`)"] = (TransferOptions(), set())
 
 
 def table_rows(heading: str) -> dict[str, str]:
@@ -117,8 +128,11 @@ def test_the_default_store_is_what_operations_md_says() -> None:
     host = DEFAULT.tiers[0]
     assert host.kind == "host" and len(DEFAULT.tiers) == 1
     s = DEFAULT.service
-    said = re.search(r"default configuration: a (\d+) GiB host tier\s+and an (\d+) GiB nvme tier "
-                     r"under `([^`]+)/nvme`", OPERATIONS_MD)
+    said = re.search(
+        r"default configuration: a (\d+) GiB host tier\s+and an (\d+) GiB nvme tier "
+        r"under `([^`]+)/nvme`",
+        OPERATIONS_MD,
+    )
     assert said, "docs/operations.md no longer states the default tiers"
     assert int(said.group(1)) * GiB == host.capacity_bytes
     assert int(said.group(2)) * GiB == s.data_capacity_bytes
@@ -136,7 +150,8 @@ def test_operations_md_sample_service_toml_loads_and_shows_the_defaults() -> Non
         if key == "tokens":
             continue
         assert normal(getattr(cfg.service, key)) == normal(getattr(DEFAULT.service, key)), (
-            f"operations.md's sample sets service.{key} = {value!r}, not the default")
+            f"operations.md's sample sets service.{key} = {value!r}, not the default"
+        )
 
 
 def _with(sample: dict[str, Any]) -> dict[str, Any]:
