@@ -1,8 +1,16 @@
-/* Optional C speedups for kvtier. Pure-Python fallbacks live in kvtier/keys.py.
+/* Optional C speedups for kvtier. Pure-Python fallbacks live beside their users.
  *
- * pack_i32(seq) -> bytes: token ids (a list or tuple of ints) as little-endian int32.
- * Converting a Python list to bytes is the dominant cost of chunk-key computation
- * (array.array spends ~20 ns per item in its generic setitem; this loop ~3 ns).
+ * pack_i32(seq) -> bytes: token ids (a list or tuple of ints) as little-endian int32
+ * (fallback in kvtier/keys.py). Converting a Python list to bytes is the dominant cost of
+ * chunk-key computation (array.array spends ~20 ns per item in its generic setitem; this
+ * loop ~3 ns).
+ *
+ * WorkQueue: the task queue of the store's I/O threads (kvtier/store/executor.py, whose
+ * fallback is a ThreadPoolExecutor). Its workers wait, and find out whether a task is
+ * left for them, without holding the GIL: a task that its waiter took back (take())
+ * costs the woken worker no GIL hand-over, which on a small VM costs more than the
+ * copy of a 256 KiB value. A task becomes due `grace` seconds after put() (or at once,
+ * after hurry()), so a caller that waits at once takes its task before a worker starts it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -45,6 +53,256 @@ static PyObject *pack_i32(PyObject *self, PyObject *arg) {
     return out;
 }
 
+/* ---- WorkQueue ------------------------------------------------------------------------ */
+
+#include <errno.h>
+#include <pthread.h>
+#include <time.h>
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    PyObject **items; /* a ring; NULL marks a task taken back by its waiter */
+    double *due;      /* CLOCK_MONOTONIC seconds from which a worker may start it */
+    Py_ssize_t cap, head, len, live;
+    double grace;
+    int closed;
+    int ready; /* mu and cv initialised */
+} WorkQueue;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int wq_init(WorkQueue *q, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"grace", NULL};
+    double grace = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|d", kwlist, &grace)) return -1;
+    if (!(grace >= 0.0 && grace <= 1.0)) {
+        PyErr_SetString(PyExc_ValueError, "grace must be within [0, 1] seconds");
+        return -1;
+    }
+    if (q->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "WorkQueue is already initialised");
+        return -1;
+    }
+    pthread_condattr_t attr;
+    if (pthread_condattr_init(&attr) != 0 || pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) != 0) {
+        PyErr_SetString(PyExc_OSError, "pthread_condattr failed");
+        return -1;
+    }
+    int rc = pthread_cond_init(&q->cv, &attr);
+    pthread_condattr_destroy(&attr);
+    if (rc != 0 || pthread_mutex_init(&q->mu, NULL) != 0) {
+        PyErr_SetString(PyExc_OSError, "pthread mutex or condition init failed");
+        return -1;
+    }
+    q->cap = 16;
+    q->items = PyMem_Calloc((size_t)q->cap, sizeof(PyObject *));
+    q->due = PyMem_Calloc((size_t)q->cap, sizeof(double));
+    if (q->items == NULL || q->due == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    q->grace = grace;
+    q->ready = 1;
+    return 0;
+}
+
+static void wq_dealloc(WorkQueue *q) {
+    if (q->items != NULL) {
+        for (Py_ssize_t i = 0; i < q->len; i++) Py_XDECREF(q->items[(q->head + i) % q->cap]);
+    }
+    PyMem_Free(q->items);
+    PyMem_Free(q->due);
+    if (q->ready) {
+        pthread_mutex_destroy(&q->mu);
+        pthread_cond_destroy(&q->cv);
+    }
+    Py_TYPE(q)->tp_free((PyObject *)q);
+}
+
+static int wq_check(WorkQueue *q) {
+    if (!q->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "WorkQueue is not initialised");
+        return -1;
+    }
+    return 0;
+}
+
+/* Grow the ring when full. Called with mu held and the GIL held (PyMem needs it). */
+static int wq_grow(WorkQueue *q) {
+    Py_ssize_t cap = q->cap * 2;
+    PyObject **items = PyMem_Calloc((size_t)cap, sizeof(PyObject *));
+    double *due = PyMem_Calloc((size_t)cap, sizeof(double));
+    if (items == NULL || due == NULL) {
+        PyMem_Free(items);
+        PyMem_Free(due);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < q->len; i++) {
+        items[i] = q->items[(q->head + i) % q->cap];
+        due[i] = q->due[(q->head + i) % q->cap];
+    }
+    PyMem_Free(q->items);
+    PyMem_Free(q->due);
+    q->items = items;
+    q->due = due;
+    q->cap = cap;
+    q->head = 0;
+    return 0;
+}
+
+static PyObject *wq_put(WorkQueue *q, PyObject *task) {
+    if (wq_check(q) < 0) return NULL;
+    pthread_mutex_lock(&q->mu);
+    if (q->closed) {
+        pthread_mutex_unlock(&q->mu);
+        PyErr_SetString(PyExc_RuntimeError, "cannot schedule new work after shutdown");
+        return NULL;
+    }
+    if (q->len == q->cap && wq_grow(q) < 0) {
+        pthread_mutex_unlock(&q->mu);
+        return PyErr_NoMemory();
+    }
+    Py_INCREF(task);
+    Py_ssize_t at = (q->head + q->len) % q->cap;
+    q->items[at] = task;
+    q->due[at] = now_s() + q->grace;
+    q->len++;
+    q->live++;
+    pthread_cond_signal(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    Py_RETURN_NONE;
+}
+
+/* The ring position of task, or -1. mu held. */
+static Py_ssize_t wq_find(WorkQueue *q, PyObject *task) {
+    for (Py_ssize_t i = 0; i < q->len; i++) {
+        Py_ssize_t at = (q->head + i) % q->cap;
+        if (q->items[at] == task) return at;
+    }
+    return -1;
+}
+
+static PyObject *wq_take(WorkQueue *q, PyObject *task) {
+    if (wq_check(q) < 0) return NULL;
+    pthread_mutex_lock(&q->mu);
+    Py_ssize_t at = wq_find(q, task);
+    if (at >= 0) {
+        q->items[at] = NULL;
+        q->live--;
+    }
+    pthread_mutex_unlock(&q->mu);
+    if (at < 0) Py_RETURN_FALSE;
+    Py_DECREF(task); /* the queue's reference; the caller holds its own */
+    Py_RETURN_TRUE;
+}
+
+static PyObject *wq_hurry(WorkQueue *q, PyObject *task) {
+    if (wq_check(q) < 0) return NULL;
+    pthread_mutex_lock(&q->mu);
+    Py_ssize_t at = wq_find(q, task);
+    if (at >= 0) {
+        q->due[at] = 0.0;
+        pthread_cond_signal(&q->cv);
+    }
+    pthread_mutex_unlock(&q->mu);
+    Py_RETURN_NONE;
+}
+
+/* Next task for a worker, or None once closed and empty. Waits without the GIL. */
+static PyObject *wq_get(WorkQueue *q, PyObject *Py_UNUSED(ignored)) {
+    if (wq_check(q) < 0) return NULL;
+    PyObject *task = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&q->mu);
+    for (;;) {
+        while (q->len > 0 && q->items[q->head] == NULL) { /* drop taken-back tasks */
+            q->head = (q->head + 1) % q->cap;
+            q->len--;
+        }
+        if (q->live == 0) {
+            if (q->closed) break;
+            pthread_cond_wait(&q->cv, &q->mu);
+            continue;
+        }
+        /* The first due task in queue order, else wait for the earliest due time. */
+        double now = now_s(), earliest = 0.0;
+        Py_ssize_t pick = -1;
+        for (Py_ssize_t i = 0; i < q->len; i++) {
+            Py_ssize_t at = (q->head + i) % q->cap;
+            if (q->items[at] == NULL) continue;
+            if (q->closed || q->due[at] <= now) {
+                pick = at;
+                break;
+            }
+            if (earliest == 0.0 || q->due[at] < earliest) earliest = q->due[at];
+        }
+        if (pick < 0) {
+            struct timespec ts;
+            ts.tv_sec = (time_t)earliest;
+            ts.tv_nsec = (long)((earliest - (double)ts.tv_sec) * 1e9);
+            if (ts.tv_nsec >= 1000000000L) {
+                ts.tv_sec += 1;
+                ts.tv_nsec -= 1000000000L;
+            }
+            pthread_cond_timedwait(&q->cv, &q->mu, &ts);
+            continue;
+        }
+        task = q->items[pick];
+        q->items[pick] = NULL;
+        q->live--;
+        break;
+    }
+    pthread_mutex_unlock(&q->mu);
+    Py_END_ALLOW_THREADS
+    if (task == NULL) Py_RETURN_NONE;
+    return task; /* the queue's reference passes to the worker */
+}
+
+static PyObject *wq_close(WorkQueue *q, PyObject *Py_UNUSED(ignored)) {
+    if (wq_check(q) < 0) return NULL;
+    pthread_mutex_lock(&q->mu);
+    q->closed = 1;
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *wq_pending(WorkQueue *q, PyObject *Py_UNUSED(ignored)) {
+    if (wq_check(q) < 0) return NULL;
+    pthread_mutex_lock(&q->mu);
+    Py_ssize_t live = q->live;
+    pthread_mutex_unlock(&q->mu);
+    return PyLong_FromSsize_t(live);
+}
+
+static PyMethodDef wq_methods[] = {
+    {"put", (PyCFunction)wq_put, METH_O, "Queue a task; it is due after the grace period."},
+    {"take", (PyCFunction)wq_take, METH_O, "Remove a queued task for its waiter to run: True if it was still queued."},
+    {"hurry", (PyCFunction)wq_hurry, METH_O, "Make a queued task due now."},
+    {"get", (PyCFunction)wq_get, METH_NOARGS, "The next due task (waits without the GIL); None once closed and drained."},
+    {"close", (PyCFunction)wq_close, METH_NOARGS, "Refuse new tasks; workers drain what is queued, then get() returns None."},
+    {"pending", (PyCFunction)wq_pending, METH_NOARGS, "Tasks queued and not taken."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject WorkQueueType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvtier._speedups.WorkQueue",
+    .tp_basicsize = sizeof(WorkQueue),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Task queue whose workers wait without the GIL (see the module comment).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)wq_init,
+    .tp_dealloc = (destructor)wq_dealloc,
+    .tp_methods = wq_methods,
+};
+
 static PyMethodDef methods[] = {
     {"pack_i32", pack_i32, METH_O, "Token ids as little-endian int32 bytes."},
     {NULL, NULL, 0, NULL},
@@ -52,4 +310,15 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvtier._speedups", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__speedups(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__speedups(void) {
+    if (PyType_Ready(&WorkQueueType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&WorkQueueType);
+    if (PyModule_AddObject(m, "WorkQueue", (PyObject *)&WorkQueueType) < 0) {
+        Py_DECREF(&WorkQueueType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -9,6 +9,16 @@ task and runs it on the calling thread. A caller that does not wait (callbacks,
 tasks submitted together still run in parallel: the waiter takes the one it waits for,
 the threads the rest. Whoever claims first runs the task; the other finds it taken.
 
+Even a task its waiter took back costs the I/O thread that was woken for it the GIL: it
+must run Python to find the task claimed, and on two cores that hand-over of the GIL
+costs more than a 256 KiB copy (docs/benchmarks.md, "Host tier vs memcpy"). Where
+the C speedups are built, the queue is :class:`kvtier._speedups.WorkQueue`: its workers
+wait, and find a task taken, without the GIL, and a task becomes due to them only
+:data:`GRACE_S` after it was queued, so a caller that waits at once takes it first. A
+task whose future gets a callback (``asyncio.wrap_future``) or a timed wait is due at
+once. Without the speedups, a :class:`~concurrent.futures.ThreadPoolExecutor` runs the
+same tasks, each claimed through its own lock.
+
 The store already promises no order between operations in flight (several I/O threads
 run them), so a waiter running its own task earlier than the queue would changes no
 contract.
@@ -17,25 +27,60 @@ contract.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 T = TypeVar("T")
+
+GRACE_S = 200e-6
+"""How long a queued task waits for its caller to take it back before an I/O thread may
+start it: longer than a caller needs from ``submit`` to ``result()`` (10-60 us here), short
+against any transfer it delays (a caller that does not wait, and sets no callback)."""
+
+
+Callback = Callable[[Future[Any]], object]
+
+
+class _Queue(Protocol):
+    """:class:`kvtier._speedups.WorkQueue`."""
+
+    def put(self, task: object, /) -> None: ...
+    def take(self, task: object, /) -> bool: ...
+    def hurry(self, task: object, /) -> None: ...
+    def get(self) -> Any: ...
+    def close(self) -> None: ...
+
+
+try:
+    from kvtier._speedups import WorkQueue as _WorkQueue
+except ImportError:  # built without a C compiler: the thread-pool fallback below
+    _WorkQueue = None
 
 
 class _Task(Future[T], Generic[T]):
     """A future that carries its own work; the first thread to :meth:`run` it does it."""
 
-    def __init__(self, fn: Callable[..., T], args: tuple[object, ...]) -> None:
+    def __init__(
+        self, fn: Callable[..., T], args: tuple[object, ...], queue: _Queue | None
+    ) -> None:
         super().__init__()
         self._work: tuple[Callable[..., T], tuple[object, ...]] | None = (fn, args)
-        self._claim = threading.Lock()
+        # Claimed by taking it out of the queue, or (fallback) through this lock.
+        self._queue = queue
+        self._claim = threading.Lock() if queue is None else None
 
     def run(self) -> None:
         """Do the work here unless another thread claimed it, or it was cancelled."""
-        if not self._claim.acquire(blocking=False):
-            return
+        if self._queue is not None:
+            if self._queue.take(self):
+                self.execute()
+        elif self._claim is not None and self._claim.acquire(blocking=False):
+            self.execute()
+
+    def execute(self) -> None:
+        """Do the work; the caller has claimed the task."""
         work, self._work = self._work, None  # drop the references (buffers) once run
         if work is None or not self.set_running_or_notify_cancel():
             return
@@ -50,38 +95,114 @@ class _Task(Future[T], Generic[T]):
     def result(self, timeout: float | None = None) -> T:
         if timeout is None:
             self.run()
+        else:
+            self._hurry()
         return super().result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         if timeout is None:
             self.run()
+        else:
+            self._hurry()
         return super().exception(timeout)
+
+    def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:
+        self._hurry()  # someone reacts to the result instead of waiting for it
+        super().add_done_callback(fn)
+
+    def _hurry(self) -> None:
+        if self._queue is not None:
+            self._queue.hurry(self)
+
+
+def _work(queue: _Queue) -> None:
+    """An I/O thread: run due tasks until the queue is closed and drained."""
+    while (task := queue.get()) is not None:
+        task.execute()
+
+
+def _stop(queue: _Queue, threads: list[threading.Thread], wait: bool) -> None:
+    queue.close()
+    if wait:
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join()
 
 
 class StealingExecutor:
-    """A thread pool whose tasks the waiting caller may run itself (see the module)."""
+    """A thread pool whose tasks the waiting caller may run itself (see the module).
 
-    def __init__(self, threads: int, name: str) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
+    Args:
+        threads: I/O threads.
+        name: their name prefix.
+        speedups: use the C queue where it is built (False: the thread-pool fallback,
+            which tests compare it with).
+    """
 
-    def submit(self, fn: Callable[..., T], /, *args: object) -> Future[T]:
-        task: _Task[T] = _Task(fn, args)
-        self._pool.submit(task.run)
+    def __init__(self, threads: int, name: str, *, speedups: bool = True) -> None:
+        self._queue: _Queue | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        if speedups and _WorkQueue is not None:
+            queue: _Queue = _WorkQueue(GRACE_S)
+            workers = [
+                threading.Thread(target=_work, args=(queue,), name=f"{name}_{i}", daemon=True)
+                for i in range(threads)
+            ]
+            for t in workers:
+                t.start()
+            self._queue = queue
+            # Run at shutdown(), when the executor is collected, or at exit: queued work
+            # finishes first, as a ThreadPoolExecutor's does.
+            self._stop = weakref.finalize(self, _stop, queue, workers, True)
+        else:
+            self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
+
+    @property
+    def speedups(self) -> bool:
+        """Whether the C queue runs the tasks."""
+        return self._queue is not None
+
+    def submit(
+        self, fn: Callable[..., T], /, *args: object, on_done: Callback | None = None
+    ) -> Future[T]:
+        """Queue ``fn(*args)``; ``on_done(future)`` runs when it ends (or is cancelled).
+
+        ``on_done`` is the submitter's own bookkeeping: unlike a caller's
+        ``add_done_callback``, it does not make the task due at once.
+        """
+        task: _Task[T] = _Task(fn, args, self._queue)
+        if on_done is not None:
+            Future.add_done_callback(task, on_done)
+        if self._queue is not None:
+            self._queue.put(task)  # RuntimeError after shutdown, as a pool's
+        else:
+            assert self._pool is not None
+            self._pool.submit(task.run)
         return task
 
     def shutdown(self, wait: bool = True) -> None:
-        self._pool.shutdown(wait=wait)
+        if self._pool is not None:
+            self._pool.shutdown(wait=wait)
+        elif wait:
+            self._stop()
+        else:
+            assert self._queue is not None
+            self._queue.close()
 
 
 class InlineExecutor:
     """Runs each submitted call at once on the caller's thread (``io_threads=0``)."""
 
-    def submit(self, fn: Callable[..., T], /, *args: object) -> Future[T]:
+    def submit(
+        self, fn: Callable[..., T], /, *args: object, on_done: Callback | None = None
+    ) -> Future[T]:
         fut: Future[T] = Future()
         try:
             fut.set_result(fn(*args))
         except BaseException as exc:  # the caller sees it through the future, as with a pool
             fut.set_exception(exc)
+        if on_done is not None:
+            on_done(fut)
         return fut
 
     def shutdown(self, wait: bool = True) -> None:

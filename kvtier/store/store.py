@@ -454,12 +454,10 @@ class TieredStore:
         with self._idle:
             self._inflight += 1
         try:
-            fut = (INLINE if inline else self._pool).submit(fn, *args)
+            return (INLINE if inline else self._pool).submit(fn, *args, on_done=self._done)
         except RuntimeError as exc:  # the pool was shut down by close()
             self._done(None)
             raise ClosedError("the store is closed") from exc
-        fut.add_done_callback(self._done)
-        return fut
 
     def _background(self, fn: Callable[[], object]) -> None:
         """Schedule background work (promotions) unless the store is closing."""

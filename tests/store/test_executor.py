@@ -1,18 +1,46 @@
-"""The store's executor: a waiter runs its own unstarted task; everything runs once."""
+"""The store's executor: a waiter runs its own unstarted task; everything runs once.
+
+Every test runs over both queues: the C one (:class:`kvtier._speedups.WorkQueue`, skipped
+with a reason where the speedups are not built) and the thread-pool fallback.
+"""
 
 from __future__ import annotations
 
+import gc
 import threading
-from concurrent.futures import CancelledError, TimeoutError, wait
+from concurrent.futures import CancelledError, Future, TimeoutError, wait
 
 import pytest
 
 from kvtier.store.executor import StealingExecutor
 
+try:
+    from kvtier._speedups import WorkQueue  # noqa: F401
+except ImportError:
+    _NO_C = True
+else:
+    _NO_C = False
 
-def _blocked_pool() -> tuple[StealingExecutor, threading.Event]:
+
+@pytest.fixture(
+    params=[
+        pytest.param(True, id="c-queue", marks=pytest.mark.skipif(_NO_C, reason="no C speedups")),
+        pytest.param(False, id="thread-pool"),
+    ]
+)
+def speedups(request: pytest.FixtureRequest) -> bool:
+    return bool(request.param)
+
+
+def _pool(threads: int, speedups: bool) -> StealingExecutor:
+    ex = StealingExecutor(threads, "test-io", speedups=speedups)
+    assert ex.speedups is speedups
+    return ex
+
+
+def _blocked_pool(speedups: bool) -> tuple[StealingExecutor, threading.Event]:
     """One I/O thread, held busy until the returned event is set."""
-    ex = StealingExecutor(1, "test-io")
+    ex = _pool(1, speedups)
     gate = threading.Event()
     started = threading.Event()
 
@@ -25,8 +53,8 @@ def _blocked_pool() -> tuple[StealingExecutor, threading.Event]:
     return ex, gate
 
 
-def test_a_waiter_runs_its_task_itself_when_no_thread_has_begun_it() -> None:
-    ex, gate = _blocked_pool()
+def test_a_waiter_runs_its_task_itself_when_no_thread_has_begun_it(speedups: bool) -> None:
+    ex, gate = _blocked_pool(speedups)
     try:
         fut = ex.submit(lambda: threading.current_thread().name)
         assert fut.result() == threading.current_thread().name
@@ -35,8 +63,8 @@ def test_a_waiter_runs_its_task_itself_when_no_thread_has_begun_it() -> None:
         ex.shutdown()
 
 
-def test_a_task_nobody_waits_for_runs_on_an_io_thread() -> None:
-    ex = StealingExecutor(1, "test-io")
+def test_a_task_nobody_waits_for_runs_on_an_io_thread(speedups: bool) -> None:
+    ex = _pool(1, speedups)
     try:
         fut = ex.submit(lambda: threading.current_thread().name)
         done, _ = wait([fut], timeout=10)  # a waiter that does not call result()
@@ -46,8 +74,8 @@ def test_a_task_nobody_waits_for_runs_on_an_io_thread() -> None:
         ex.shutdown()
 
 
-def test_a_result_with_a_timeout_never_takes_the_task() -> None:
-    ex, gate = _blocked_pool()
+def test_a_result_with_a_timeout_never_takes_the_task(speedups: bool) -> None:
+    ex, gate = _blocked_pool(speedups)
     try:
         fut = ex.submit(lambda: threading.current_thread().name)
         with pytest.raises(TimeoutError):
@@ -59,8 +87,8 @@ def test_a_result_with_a_timeout_never_takes_the_task() -> None:
         ex.shutdown()
 
 
-def test_errors_reach_the_waiter_as_from_a_pool() -> None:
-    ex, gate = _blocked_pool()
+def test_errors_reach_the_waiter_as_from_a_pool(speedups: bool) -> None:
+    ex, gate = _blocked_pool(speedups)
     try:
 
         def boom() -> None:
@@ -75,8 +103,8 @@ def test_errors_reach_the_waiter_as_from_a_pool() -> None:
         ex.shutdown()
 
 
-def test_a_cancelled_task_never_runs() -> None:
-    ex, gate = _blocked_pool()
+def test_a_cancelled_task_never_runs(speedups: bool) -> None:
+    ex, gate = _blocked_pool(speedups)
     ran: list[int] = []
     try:
         fut = ex.submit(ran.append, 1)
@@ -89,8 +117,8 @@ def test_a_cancelled_task_never_runs() -> None:
     assert ran == []
 
 
-def test_every_task_runs_exactly_once_under_racing_waiters() -> None:
-    ex = StealingExecutor(4, "test-io")
+def test_every_task_runs_exactly_once_under_racing_waiters(speedups: bool) -> None:
+    ex = _pool(4, speedups)
     counts = [0] * 2000
     lock = threading.Lock()
 
@@ -115,3 +143,78 @@ def test_every_task_runs_exactly_once_under_racing_waiters() -> None:
     ex.shutdown()
     assert counts == [1] * len(counts)
     assert sorted(results) == list(range(len(counts)))
+
+
+def test_a_task_with_a_callback_runs_on_an_io_thread(speedups: bool) -> None:
+    ex = _pool(1, speedups)
+    try:
+        names: list[str] = []
+        done = threading.Event()
+        fut = ex.submit(lambda: threading.current_thread().name)
+
+        def react(f: Future[str]) -> None:
+            names.append(f.result())
+            done.set()
+
+        fut.add_done_callback(react)
+        assert done.wait(10)
+        assert names[0].startswith("test-io")
+    finally:
+        ex.shutdown()
+
+
+def test_shutdown_finishes_queued_work_then_refuses_more(speedups: bool) -> None:
+    ex, gate = _blocked_pool(speedups)
+    ran: list[int] = []
+    futs = [ex.submit(ran.append, i) for i in range(20)]
+    gate.set()
+    ex.shutdown(wait=True)
+    assert sorted(ran) == list(range(20))
+    assert all(f.done() for f in futs)
+    with pytest.raises(RuntimeError):
+        ex.submit(ran.append, 99)
+
+
+def test_an_executor_dropped_without_shutdown_stops_its_threads(speedups: bool) -> None:
+    before = {t.ident for t in threading.enumerate()}
+    ex = _pool(2, speedups)
+    assert ex.submit(lambda: 1).result() == 1
+    ex.submit(lambda: 2)  # queued, nobody waits: it still runs before the threads stop
+    mine = [
+        t for t in threading.enumerate() if t.ident not in before and t.name.startswith("test-io")
+    ]
+    del ex
+    gc.collect()
+    for t in mine:
+        t.join(10)
+        assert not t.is_alive()
+
+
+@pytest.mark.skipif(_NO_C, reason="no C speedups")
+def test_the_c_queue_hands_each_task_out_once() -> None:
+    from kvtier._speedups import WorkQueue
+
+    q = WorkQueue(0.0)
+    a, b, c = object(), object(), object()
+    for task in (a, b, c):
+        q.put(task)
+    assert q.take(b) is True
+    assert q.take(b) is False  # already taken
+    assert q.pending() == 2
+    assert q.get() is a
+    assert q.take(a) is False  # a worker has it
+    q.close()
+    assert q.get() is c  # closed: what is queued still goes out
+    assert q.get() is None
+    with pytest.raises(RuntimeError):
+        q.put(a)
+
+
+@pytest.mark.skipif(_NO_C, reason="no C speedups")
+def test_the_c_queue_rejects_a_bad_grace() -> None:
+    from kvtier._speedups import WorkQueue
+
+    with pytest.raises(ValueError, match="grace"):
+        WorkQueue(-1.0)
+    with pytest.raises(TypeError):
+        WorkQueue("soon")
