@@ -15,9 +15,11 @@ costs more than a 256 KiB copy (docs/benchmarks.md, "Host tier vs memcpy"). Wher
 the C speedups are built, the queue is :class:`kvtier._speedups.WorkQueue`: its workers
 wait, and find a task taken, without the GIL, and a task becomes due to them only
 :data:`GRACE_S` after it was queued, so a caller that waits at once takes it first. A
-task whose future gets a callback (``asyncio.wrap_future``) or a timed wait is due at
-once. Without the speedups, a :class:`~concurrent.futures.ThreadPoolExecutor` runs the
-same tasks, each claimed through its own lock.
+task is due at once when its future gets a callback (``asyncio.wrap_future``) or a
+``result``/``exception`` with a timeout (``concurrent.futures.wait`` does neither: it
+waits out the grace). Without the speedups, a
+:class:`~concurrent.futures.ThreadPoolExecutor` runs the same tasks, each claimed
+through its own lock.
 
 The store already promises no order between operations in flight (several I/O threads
 run them), so a waiter running its own task earlier than the queue would changes no
@@ -36,8 +38,9 @@ T = TypeVar("T")
 
 GRACE_S = 200e-6
 """How long a queued task waits for its caller to take it back before an I/O thread may
-start it: longer than a caller needs from ``submit`` to ``result()`` (10-60 us here), short
-against any transfer it delays (a caller that does not wait, and sets no callback)."""
+start it: longer than a caller needs from ``submit`` to ``result()`` (a whole waited-for
+no-op takes 10-14 us on the 2-core VM), short against any transfer it delays (a caller
+that does not wait, and sets no callback)."""
 
 
 Callback = Callable[[Future[Any]], object]
