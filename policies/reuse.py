@@ -20,7 +20,8 @@ chunk at once but its reuse only later, so early estimates come out far too low)
 chunk's outcome is counted once it is *resolved*, either referenced again within the
 horizon (a success) or ``horizon_s`` old without a reference (a failure).
 
-Not thread-safe on its own: the store calls placement hooks under its lock.
+Not thread-safe on its own (readers too: a reader may recompute the table): the store
+calls placement hooks, and reads its report, under its lock.
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ class ReuseTracker:
         self._table: list[float] = []
         self._expected: list[float] = []
         self._refresh()
+        # New evidence marks the tables stale; the next reader recomputes them. A hit
+        # brings evidence on every lookup, and most lookups read no probability.
+        self._stale = False
         # Victim episodes: key -> (time it was a victim, class); resolved like classes.
         self._victims: dict[ChunkKey, tuple[float, int]] = {}
         self._victim_queue: deque[tuple[float, ChunkKey]] = deque()
@@ -106,6 +110,13 @@ class ReuseTracker:
         for c in range(MAX_CLASS - 1, -1, -1):
             expected[c] = min(self._table[c] * (1 + expected[c + 1]), MAX_EXPECTED_REUSES)
         self._expected = expected
+        self._stale = False
+
+    def _tables(self) -> tuple[list[float], list[float]]:
+        """The class table and the expected further references, current."""
+        if self._stale:
+            self._refresh()
+        return self._table, self._expected
 
     def _p(self, c: int) -> float:
         a, b = self._prior
@@ -114,15 +125,12 @@ class ReuseTracker:
     def _expire(self, now: float) -> None:
         """Chunks unreferenced for a whole horizon resolve as failures."""
         pending, refs, horizon = self._pending, self._refs, self.horizon_s
-        changed = False
         while pending and now - pending[0][0] > horizon:
             t, key, n = pending.popleft()
             state = refs.get(key)
             if state is not None and state[1] == t and state[0] == n:
                 self._resolved[min(n, MAX_CLASS)] += 1
-                changed = True
-        if changed:
-            self._refresh()
+                self._stale = True
         vq, victims = self._victim_queue, self._victims
         while vq and now - vq[0][0] > horizon:
             t, key = vq.popleft()
@@ -136,14 +144,13 @@ class ReuseTracker:
         now = self._clock()
         self._expire(now)
         refs, ghosts = self._refs, self._ghosts
-        changed = False
         for key in keys:
             n, last = refs.pop(key, (0, 0.0))
             if n and now - last <= self.horizon_s:
                 c = min(n, MAX_CLASS)
                 self._resolved[c] += 1
                 self._reused[c] += 1
-                changed = True
+                self._stale = True
             if key in ghosts:
                 del ghosts[key]
                 self.ghost_hits += 1
@@ -156,8 +163,6 @@ class ReuseTracker:
             self._pending.append((now, key, n))
         while len(refs) > self._max_tracked:
             refs.popitem(last=False)
-        if changed:
-            self._refresh()
 
     def victims(self, keys: Iterable[ChunkKey]) -> None:
         """These keys were chosen as eviction victims (their outcome is learned)."""
@@ -178,6 +183,7 @@ class ReuseTracker:
     def mean_victim_probability(self, keys: Iterable[ChunkKey]) -> tuple[float, int]:
         """Like :meth:`mean_probability`, with victim odds where learned."""
         table = [self.victim_probability(c) for c in range(MAX_CLASS + 1)]
+        classes = self._tables()[0]
         refs = self._refs
         total = 0.0
         n = 0
@@ -185,7 +191,7 @@ class ReuseTracker:
             state = refs.get(key)
             c = 1 if state is None else min(max(state[0], 1), MAX_CLASS)
             p = table[c]
-            total += self._table[c] if p is None else p
+            total += classes[c] if p is None else p
             n += 1
         return total, n
 
@@ -204,24 +210,25 @@ class ReuseTracker:
 
     def class_probability(self, refs: int) -> float:
         """Learned probability that a chunk with ``refs`` references gets another one."""
-        return self._table[min(max(refs, 1), MAX_CLASS)]
+        return self._tables()[0][min(max(refs, 1), MAX_CLASS)]
 
     def probability(self, key: ChunkKey) -> float:
         """Reuse probability of one key, from its class."""
+        table = self._tables()[0]
         state = self._refs.get(key)
         if state is None:
-            return self._table[1]
+            return table[1]
         n = state[0]
-        return self._table[n if n < MAX_CLASS else MAX_CLASS]
+        return table[n if n < MAX_CLASS else MAX_CLASS]
 
     def expected_reuses(self, keys: Iterable[ChunkKey]) -> tuple[float, int]:
         """Sum of the expected further references of ``keys`` (by class, chained: each
         reference moves a chunk up a class), and how many keys there were."""
-        return self._sum_by_class(keys, self._expected)
+        return self._sum_by_class(keys, self._tables()[1])
 
     def mean_probability(self, keys: Iterable[ChunkKey]) -> tuple[float, int]:
         """Sum of reuse probabilities of ``keys``, and how many there were."""
-        return self._sum_by_class(keys, self._table)
+        return self._sum_by_class(keys, self._tables()[0])
 
     def _sum_by_class(self, keys: Iterable[ChunkKey], table: list[float]) -> tuple[float, int]:
         refs = self._refs
