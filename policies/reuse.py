@@ -84,10 +84,10 @@ class ReuseTracker:
         self._reused = [0] * (MAX_CLASS + 1)
         self._table: list[float] = []
         self._expected: list[float] = []
-        self._refresh()
         # New evidence marks the tables stale; the next reader recomputes them. A hit
         # brings evidence on every lookup, and most lookups read no probability.
-        self._stale = False
+        self._stale = True
+        self._refresh()
         # Victim episodes: key -> (time it was a victim, class); resolved like classes.
         self._victims: dict[ChunkKey, tuple[float, int]] = {}
         self._victim_queue: deque[tuple[float, ChunkKey]] = deque()
