@@ -156,44 +156,50 @@ class KVTierStoragePlugin(StoragePluginInterface):  # type: ignore[misc]  # LMCa
         transfer_spec: Any = None,
         on_complete_callback: Callable[[CacheEngineKey], None] | None = None,
     ) -> list[Future[PutResult]]:
-        futures: list[Future[PutResult]] = []
+        if not keys:
+            return []
         ks = [engine_key(k) for k in keys]
-        for i, (key, obj) in enumerate(zip(keys, objs, strict=True)):
-            # LMCache drops its reference when this returns: hold one until the copy.
+        # LMCache drops its references when this returns: hold one each until the copy.
+        for obj in objs:
             obj.ref_count_up()
-            with self._lock:
-                self._put_tasks.add(key)
-            try:
-                # The chunks before it in this batch are the same prompt's head: protected
-                # while this put makes room, so a prompt longer than the store keeps its
-                # head (which lookups can hit) rather than its tail (which they never can).
-                fut = self.store.put([ks[i]], obj.byte_array.cast("B"), prefix=ks[:i])
-            except KVTierError as exc:
-                log.warning("kvtier storage plug-in: store of %s refused: %s", key, exc)
-                self._put_done(key, obj, None)
-                continue
-            fut.add_done_callback(
-                functools.partial(self._put_done, key, obj, callback=on_complete_callback)
-            )
-            futures.append(fut)
-        return futures
+        with self._lock:
+            self._put_tasks.update(keys)
+        done = functools.partial(self._put_done, keys, objs, callback=on_complete_callback)
+        try:
+            # One put for the whole batch (one buffer per chunk, no copy), so the store
+            # places the prompt's head before its tail: a prompt longer than the store
+            # keeps its head, which lookups can hit, never a tail they cannot. As the
+            # prefix, the batch's chunks the store already holds are kept while it makes
+            # room. (One put per chunk would race on the I/O threads: a tail chunk could
+            # take the last slot before the head's put ran.)
+            fut = self.store.put(ks, [obj.byte_array.cast("B") for obj in objs], prefix=ks)
+        except KVTierError as exc:
+            log.warning("kvtier storage plug-in: store of %d chunks refused: %s", len(ks), exc)
+            done(None)
+            return []
+        fut.add_done_callback(done)
+        return [fut]
 
     def _put_done(
         self,
-        key: CacheEngineKey,
-        obj: MemoryObj,
+        keys: Sequence[CacheEngineKey],
+        objs: Sequence[MemoryObj],
         fut: Future[PutResult] | None,
         *,
         callback: Callable[[CacheEngineKey], None] | None = None,
     ) -> None:
-        obj.ref_count_down()
+        for obj in objs:
+            obj.ref_count_down()
         with self._lock:
-            self._put_tasks.discard(key)
-        if fut is not None and not fut.exception():
-            res = fut.result()
-            if res.rejected or res.failed:
-                self._dropped(res)
-        if fut is not None and callback is not None and not fut.exception():
+            self._put_tasks.difference_update(keys)
+        if fut is None or fut.exception():
+            return
+        res = fut.result()
+        if res.rejected or res.failed:
+            self._dropped(res)
+        if callback is None:
+            return
+        for key in keys:
             try:
                 callback(key)
             except Exception as exc:  # LMCache's callback: its failure must not kill ours

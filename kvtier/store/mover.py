@@ -27,6 +27,9 @@ from kvtier.tiers.base import SlotRun
 
 log = logging.getLogger(__name__)
 
+Values = memoryview | list[memoryview]
+"""The values of one put: packed in one buffer, or one buffer per key."""
+
 Listener = Callable[[StoreEvent], None]
 Background = Callable[[Callable[[], object]], None]
 """Runs a call later on an I/O thread (background promotions); a closed store skips it."""
@@ -39,11 +42,14 @@ def _offsets(extents: Sequence[Extent]) -> list[int]:
     return [o for ext in extents for o in range(ext.offset, ext.offset + ext.units)]
 
 
-def _contiguous_groups(items: list[tuple[int, ChunkKey]]) -> list[tuple[int, list[ChunkKey]]]:
-    """Split (index in caller buffer, key) pairs into runs of consecutive indices."""
+def _contiguous_groups(
+    items: list[tuple[int, ChunkKey]], *, packed: bool = True
+) -> list[tuple[int, list[ChunkKey]]]:
+    """Split (index in caller buffer, key) pairs into runs of consecutive indices
+    (groups of one where the values are not ``packed`` in one buffer)."""
     out: list[tuple[int, list[ChunkKey]]] = []
     for idx, key in items:
-        if out and out[-1][0] + len(out[-1][1]) == idx:
+        if packed and out and out[-1][0] + len(out[-1][1]) == idx:
             out[-1][1].append(key)
         else:
             out.append((idx, [key]))
@@ -80,9 +86,9 @@ class Mover:
     # -- put -------------------------------------------------------------------------------
 
     def put(
-        self, keys: list[ChunkKey], view: memoryview, value_bytes: int, prefix: list[ChunkKey]
+        self, keys: list[ChunkKey], view: Values, value_bytes: int, prefix: list[ChunkKey]
     ) -> PutResult:
-        """Store the new ``keys`` (values packed in ``view``), protecting ``prefix``."""
+        """Store the new ``keys`` (values in ``view``), protecting ``prefix``."""
         if not prefix:
             return self._put_pinned(keys, view, value_bytes)
         held = self.index.pin(prefix)
@@ -91,7 +97,7 @@ class Mover:
         finally:
             self.index.unpin(held)
 
-    def _put_pinned(self, keys: list[ChunkKey], view: memoryview, value_bytes: int) -> PutResult:
+    def _put_pinned(self, keys: list[ChunkKey], view: Values, value_bytes: int) -> PutResult:
         fresh = self.index.claim_new(keys)
         stored = failed = 0
         try:
@@ -132,7 +138,7 @@ class Mover:
         t: int,
         extents: list[Extent],
         items: list[tuple[int, ChunkKey]],
-        view: memoryview,
+        view: Values,
         value_bytes: int,
     ) -> tuple[int, int]:
         tier = self.tiers[t]
@@ -148,9 +154,12 @@ class Mover:
             slot = offset
             done: list[tuple[ChunkKey, int]] = []
             try:
-                for start_idx, ks in _contiguous_groups(chunk):
+                for start_idx, ks in _contiguous_groups(chunk, packed=isinstance(view, memoryview)):
                     run = SlotRun(slot, tuple(ks), value_bytes)
-                    src = view[start_idx * value_bytes : (start_idx + len(ks)) * value_bytes]
+                    if isinstance(view, memoryview):
+                        src = view[start_idx * value_bytes : (start_idx + len(ks)) * value_bytes]
+                    else:
+                        src = view[start_idx]  # one buffer per key: groups of one
                     tier.write(run, src)
                     done.extend((k, slot + j) for j, k in enumerate(ks))
                     slot += len(ks)

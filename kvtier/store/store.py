@@ -46,7 +46,7 @@ from kvtier.errors import ClosedError, InputError, NotDurableError, TierError
 from kvtier.keys import ChunkKey, check_keys
 from kvtier.store.executor import INLINE, Executor, InlineExecutor, StealingExecutor
 from kvtier.store.index import StoreIndex
-from kvtier.store.mover import Listener, Mover
+from kvtier.store.mover import Listener, Mover, Values
 from kvtier.store.policy import EvictionFactory, LRUEviction, PlacementPolicy, WriteThrough
 from kvtier.store.types import (
     EventKind,
@@ -76,6 +76,26 @@ def _as_bytes_view(buf: Buffer, *, writable: bool) -> memoryview:
     if writable and view.readonly:
         raise InputError("destination buffer is read-only")
     return view
+
+
+def _values_of(
+    keys: Sequence[ChunkKey], data: Buffer | list[Buffer] | tuple[Buffer, ...]
+) -> tuple[Values, int]:
+    """``data`` of :meth:`TieredStore.put` as the mover takes it, and the value length."""
+    if isinstance(data, (list, tuple)):
+        pieces = [_as_bytes_view(b, writable=False) for b in data]
+        if len(pieces) != len(keys):
+            raise InputError(f"{len(pieces)} buffers for {len(keys)} keys")
+        value_bytes = pieces[0].nbytes if pieces else 0
+        if any(p.nbytes != value_bytes for p in pieces):
+            raise InputError("the buffers of one put must be of one length")
+        return pieces, value_bytes
+    view = _as_bytes_view(data, writable=False)
+    if not keys:
+        return view, 0
+    if view.nbytes % len(keys):
+        raise InputError(f"{view.nbytes} bytes do not split evenly into {len(keys)} chunks")
+    return view, view.nbytes // len(keys)
 
 
 class TieredStore:
@@ -130,12 +150,17 @@ class TieredStore:
     def put(
         self,
         keys: Sequence[ChunkKey],
-        data: Buffer,
+        data: Buffer | list[Buffer] | tuple[Buffer, ...],
         *,
         prefix: Sequence[ChunkKey] = (),
         inline: bool = False,
     ) -> Future[PutResult]:
         """Store chunks whose values lie packed in ``data`` (equal length each).
+
+        ``data`` may instead be a list or tuple of one buffer per key (equal lengths):
+        a caller whose values sit in separate buffers (LMCache's memory objects) stores
+        a whole sequence in one put, so its head is placed before its tail and never
+        loses the race for room to it, with no copy into one buffer first.
 
         ``prefix`` names the already-stored chunks that precede ``keys`` in the same
         sequence (typically the hit that ``lookup`` returned). They are protected from
@@ -158,17 +183,14 @@ class TieredStore:
         self._check_open()
         keys = check_keys(keys)
         prefix = check_keys(prefix)
-        view = _as_bytes_view(data, writable=False)
+        values, value_bytes = _values_of(keys, data)
         if not keys:
             fut: Future[PutResult] = Future()
             fut.set_result(PutResult(0, 0, 0, 0))
             return fut
-        if view.nbytes % len(keys):
-            raise InputError(f"{view.nbytes} bytes do not split evenly into {len(keys)} chunks")
-        value_bytes = view.nbytes // len(keys)
         if not 0 < value_bytes <= self.slot_bytes:
             raise InputError(f"chunk of {value_bytes} B; the store takes 1..{self.slot_bytes} B")
-        return self._submit(self._mover.put, keys, view, value_bytes, prefix, inline=inline)
+        return self._submit(self._mover.put, keys, values, value_bytes, prefix, inline=inline)
 
     def reserve(self, key: ChunkKey, value_bytes: int) -> Reservation | None:
         """A free slot for one new chunk, which the caller fills in place, then commits.

@@ -117,6 +117,11 @@ class Engine:
         assert self.engine.storage_manager is not None
         return list(self.engine.storage_manager.storage_backends)
 
+    def backend(self, name: str) -> Any:
+        """The storage backend ``name`` itself (the kvtier plug-in object)."""
+        assert self.engine.storage_manager is not None
+        return self.engine.storage_manager.storage_backends[name]
+
     def close(self) -> None:
         LMCacheEngineBuilder.destroy(self.instance)
 
