@@ -194,11 +194,8 @@ def plugin_config(config_file: str) -> dict[str, Any]:
 
 
 def nvme_toml(directory: Path, capacity: str = "64MiB", **service: Any) -> str:
-    """A kvtier config whose only tier is nvme: what it holds survives a restart.
-
-    (A clean daemon shutdown does not yet write host-tier chunks down to nvme, so a
-    host tier above it would lose them.)
-    """
+    """A kvtier config whose only tier is nvme: what it holds survives a restart, even
+    one that is not clean (a host tier above it is written down only at a clean close)."""
     lines = [
         "[[tiers]]",
         'kind = "nvme"',

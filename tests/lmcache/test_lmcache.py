@@ -238,6 +238,25 @@ def _nvme_config(tmp: Path) -> str:
     return str(path)
 
 
+def test_plugin_host_tier_over_nvme_is_written_down_at_close(tmp_path: Path) -> None:
+    """A host tier above the nvme tier: the chunks only the host tier held are moved
+    into the nvme tier when LMCache closes the plug-in, so a new engine hits them all."""
+    path = tmp_path / "kvtier.toml"
+    host = "\n".join(["[[tiers]]", 'kind = "host"', 'capacity_bytes = "16MiB"', 'pin = "off"', ""])
+    path.write_text(host + nvme_toml(tmp_path))
+    cfg = plugin_config(str(path))
+    tokens, kv = prompt(5, N_TOKENS)
+    with engine(cfg) as e:
+        e.store(tokens, kv)
+        assert e.wait_stored(tokens, PLUGIN) == FULL
+        stats = e.backend(PLUGIN).store.stats()
+        assert [t.used_bytes > 0 for t in stats.tiers] == [True, False]  # host only, so far
+    with engine(cfg) as e:
+        assert e.lookup(tokens) == FULL
+        n, out = e.retrieve(tokens)
+        assert n == FULL and _equal(out, kv, n)
+
+
 def test_plugin_round_trip_and_restart(tmp_path: Path) -> None:
     cfg = plugin_config(_nvme_config(tmp_path))
     tokens, kv = prompt(4, N_TOKENS)
