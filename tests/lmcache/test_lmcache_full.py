@@ -11,6 +11,7 @@ from its local CPU copy, and once the disk has room again stores and hits resume
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import pytest
 
 pytest.importorskip("lmcache", reason="LMCache is not installed (pip install 'kvtier[lmcache]')")
 
+import httpx
 import torch
 
 from tests.connectors.lmcache_engine import (
@@ -47,6 +49,19 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
         tmp_path, "16m", "needs root to mount a small tmpfs (a real full disk); not root here"
     ) as mnt:
         yield mnt
+
+
+def _wait_put_over(url: str, chunks: int, timeout_s: float = 60.0) -> None:
+    """Wait until the daemon has stored or refused ``chunks`` chunks (its own counters):
+    a lookup before then could count a put still in flight, however slow the machine."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = httpx.get(f"{url}/v1/stats", timeout=5).json()["store"]
+        if st["put_chunks"] + st["put_rejected"] >= chunks:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the daemon did not finish the put: {st}")
+        time.sleep(0.05)
 
 
 def _equal(out: torch.Tensor, kv: torch.Tensor, n: int) -> bool:
@@ -180,7 +195,8 @@ def test_remote_to_a_daemon_full_by_capacity_keeps_a_prefix(tmp_path: Path) -> N
         with engine(remote_config(d.url)) as e:
             assert REMOTE in e.backends()
             e.store(tokens, kv)
-            held = e.wait_stored(tokens, REMOTE, timeout_s=3)
+            _wait_put_over(d.url, FULL // CHUNK)  # LMCache's put to the daemon is async
+            held = e.lookup(tokens, REMOTE)
             assert 0 < held < FULL, held
             e.drop_local(tokens)
             assert e.lookup(tokens) == held
