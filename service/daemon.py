@@ -13,15 +13,19 @@ import logging
 import re
 from collections.abc import Callable, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from enum import Enum
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Final, Literal, Protocol, TypeVar
+
+import numpy as np
+import numpy.typing as npt
 
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, InputError
 from kvtier.factory import Built
 from kvtier.keys import ChunkKey
 from kvtier.store.store import Reservation, TieredStore
-from kvtier.store.types import LookupResult, PutResult
+from kvtier.store.types import GetResult, LookupResult, PutResult
 
 from . import wire
 from .buffers import ValueBuffers
@@ -57,6 +61,15 @@ class SideChannel(Protocol):
 
 INLINE_GET_BYTES = 4 << 20
 """Largest memory hit a GET copies on the event loop (a 4 MiB memcpy is ~0.5 ms)."""
+
+
+class _NotNow(Enum):
+    NOT_NOW = "not now"
+
+
+NotNow = Literal[_NotNow.NOT_NOW]
+NOT_NOW: Final = _NotNow.NOT_NOW
+"""What :meth:`Daemon.get_value_now` answers when the get needs I/O (or a shared tier)."""
 T = TypeVar("T")
 
 
@@ -226,6 +239,16 @@ class Daemon:
         # through an I/O thread (two wake-ups, the GIL handed over twice).
         fut = self.store.get([self.key(t, hex_key)], buf, inline_memory_bytes=INLINE_GET_BYTES)
         res = fut.result() if fut.done() else await asyncio.wrap_future(fut)
+        return self._got(t, buf, res)
+
+    def get_value_now(self, t: Tenant, hex_key: str) -> memoryview | NotNow | None:
+        """:meth:`get_value` when it is a memcpy on this thread (a hit in memory, or a
+        miss with no shared tier to ask); :data:`NOT_NOW`, having done nothing, otherwise."""
+        buf = self.values.take(self.limits.max_value_bytes)
+        res = self.store.get_now([self.key(t, hex_key)], buf, max_bytes=INLINE_GET_BYTES)
+        return NOT_NOW if res is None else self._got(t, buf, res)
+
+    def _got(self, t: Tenant, buf: npt.NDArray[np.uint8], res: GetResult) -> memoryview | None:
         if not res.chunks:
             self.tenants.add(t.name, lookup_miss_chunks=1)
             return None

@@ -24,6 +24,12 @@ Two cheaper paths for the binary routes (issue 15), both invisible to the ASGI a
 * **The head with the first body piece.** A response's head is held back and written
   together with its first body piece (one ``writelines``): the client wakes once per
   answer instead of twice, which costs a scheduling round on a loaded host.
+
+And one answer below ASGI: a daemon's :data:`DirectAnswer` (the one-chunk ``GET`` of a
+hit in memory, :class:`kvtier.service.fastpath.DirectGet`) is asked when a plain
+keep-alive ``GET`` head is complete and nothing else is in flight on the connection or
+waiting to be written; what it answers is written at once, with no task, request cycle
+or ASGI layer. What it declines takes the ASGI path as before.
 """
 
 from __future__ import annotations
@@ -35,7 +41,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +58,22 @@ Returns the body's length when it filled ``view`` exactly, or -1 (the client wen
 or sent more or fewer bytes than ``view`` holds). Call it at most once, before any
 ``receive()``; servers other than the daemon's leave the key out."""
 BodyInto = Callable[[memoryview], Awaitable[int]]
+
+DirectAnswer = Callable[
+    [bytes, list[tuple[bytes, bytes]]], tuple[int, bytes, bytes | memoryview] | None
+]
+"""``(url, headers) -> (status, content type, body)`` of a GET answered in the protocol,
+or None for the ASGI path. Headers as uvicorn keeps them (names lower-cased)."""
+
+
+class _Answered:
+    """The connection's cycle once a direct answer is written: complete, nothing pending."""
+
+    response_complete = True
+    disconnected = False
+
+
+_ANSWERED = _Answered()
 
 
 def head_end(tail: bytes, data: bytes) -> int:
@@ -73,6 +99,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     max_header_bytes = 32 * 1024
     header_timeout_s = 10.0
+    direct: DirectAnswer | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -113,6 +140,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._disarm()
+        if self.direct is not None and self._answer_directly(self.direct):
+            return
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope and type(cycle) is RequestResponseCycle:
@@ -167,6 +196,34 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if cycle.disconnected or into.overflow or into.pos != view.nbytes:
             return -1
         return into.pos
+
+    def _answer_directly(self, direct: DirectAnswer) -> bool:
+        parser = self.parser
+        cycle = self.cycle
+        if (
+            (cycle is not None and not cycle.response_complete)
+            or self.pipeline
+            or self.flow.write_paused  # a client not reading: the ASGI path waits for it
+            or self.expect_100_continue
+            or parser.get_method() != b"GET"
+            or parser.get_http_version() != "1.1"
+            or not parser.should_keep_alive()
+            or parser.should_upgrade()
+            or self.transport.is_closing()
+        ):
+            return False
+        answer = direct(self.url, self.headers)
+        if answer is None:
+            return False
+        status, ctype, body = answer
+        head = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        head += [b"content-type: ", ctype, b"\r\ncontent-length: ", b"%d\r\n\r\n" % len(body)]
+        self.transport.writelines([b"".join(head), body])
+        self.cycle = _ANSWERED  # type: ignore[assignment]
+        self.on_response_complete()
+        return True
 
     # -- limits ----------------------------------------------------------------------------
 
@@ -292,10 +349,17 @@ class _Cycle(RequestResponseCycle):
             held.flush()
 
 
-def protocol_class(max_header_bytes: int, header_timeout_s: float) -> type[HttpToolsProtocol]:
-    """The protocol class for one daemon's limits (uvicorn's ``http`` setting)."""
+def protocol_class(
+    max_header_bytes: int, header_timeout_s: float, direct: DirectAnswer | None = None
+) -> type[HttpToolsProtocol]:
+    """The protocol class for one daemon's limits (uvicorn's ``http`` setting), answering
+    what ``direct`` takes below ASGI."""
     return type(
         "KVTierHttpProtocol",
         (LimitedHttpToolsProtocol,),
-        {"max_header_bytes": max_header_bytes, "header_timeout_s": header_timeout_s},
+        {
+            "max_header_bytes": max_header_bytes,
+            "header_timeout_s": header_timeout_s,
+            "direct": staticmethod(direct) if direct is not None else None,
+        },
     )

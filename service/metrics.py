@@ -40,6 +40,9 @@ class RequestMetrics:
         self._bytes_in: dict[str, int] = {}
         self._bytes_out: dict[str, int] = {}
         self.in_flight = 0
+        # GETs answered in the HTTP protocol, below ASGI (service/fastpath.py: DirectGet).
+        # Counted on the event loop only, as in_flight is.
+        self.direct = 0
 
     def observe(
         self, route: str, method: str, status: int, seconds: float, nin: int, nout: int
@@ -63,7 +66,7 @@ class RequestMetrics:
             hist = {k: list(v) for k, v in self._hist.items()}
             sums = dict(self._sum_s)
             bin_, bout = dict(self._bytes_in), dict(self._bytes_out)
-            in_flight = self.in_flight
+            in_flight, direct = self.in_flight, self.direct
         out = [
             "# HELP kvtier_http_requests_total HTTP requests by route template, method and status.",
             "# TYPE kvtier_http_requests_total counter",
@@ -100,6 +103,10 @@ class RequestMetrics:
             "# HELP kvtier_http_requests_in_flight Requests being served now.",
             "# TYPE kvtier_http_requests_in_flight gauge",
             f"kvtier_http_requests_in_flight {in_flight}",
+            "# HELP kvtier_http_direct_answers_total GETs of a hit in memory (or a miss)"
+            " answered below ASGI; also counted in kvtier_http_requests_total.",
+            "# TYPE kvtier_http_direct_answers_total counter",
+            f"kvtier_http_direct_answers_total {direct}",
         ]
         return out
 

@@ -50,7 +50,8 @@ def bind(host: str, port: int) -> socket.socket:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
             raise ConfigError(
-                "service.port", port,
+                "service.port",
+                port,
                 f"a free port: {host}:{port} is in use (another kvtier serve?); "
                 "pass --port N (0 picks a free one) or set KVTIER_SERVICE__PORT",
             ) from None
@@ -71,6 +72,7 @@ def serve(cfg: KVTierConfig) -> None:
     import uvicorn
 
     from kvtier.service.app import create_app
+    from kvtier.service.fastpath import DirectGet
     from kvtier.service.headlimit import protocol_class
 
     cfg = with_data_dir(cfg)
@@ -86,8 +88,11 @@ def serve(cfg: KVTierConfig) -> None:
             host=s.host,
             port=port,
             # Bounds the request head's size and time (service.max_header_bytes,
-            # service.header_timeout_s).
-            http=protocol_class(s.max_header_bytes, s.header_timeout_s),
+            # service.header_timeout_s), and answers a one-chunk GET of a hit in
+            # memory below ASGI.
+            http=protocol_class(
+                s.max_header_bytes, s.header_timeout_s, DirectGet(app.state.daemon)
+            ),
             log_level=cfg.log_level.lower(),
             access_log=False,  # one line per chunk would cost more than serving it
             lifespan="on",

@@ -165,6 +165,12 @@ class StoreIndex:
             self.counts.gets += 1
         return slots
 
+    def unhold(self, slots: Sequence[Slot]) -> None:
+        """Give back the holds of a :meth:`hold_run` whose get did not happen (uncounted)."""
+        self.unread(slots)
+        with self.lock:
+            self.counts.gets -= 1
+
     def unread(self, slots: Sequence[Slot]) -> None:
         """Give back the read holds of ``slots``."""
         with self.lock, self._batch:

@@ -312,6 +312,33 @@ class TieredStore:
             inline = True
         return self._submit(self._mover.get, slots, view, tail, inline=inline)
 
+    def get_now(self, keys: Sequence[ChunkKey], dst: Buffer, *, max_bytes: int) -> GetResult | None:
+        """:meth:`get` on the caller's thread when that is a memcpy, else None.
+
+        Copies the hit now when it lies in tiers of plain memory and needs at most
+        ``max_bytes``, or is a miss with no shared tier to ask (a result of 0 chunks).
+        Otherwise returns None having read nothing and counted nothing, and the caller
+        uses :meth:`get`. For a caller that must answer before it returns (the daemon's
+        protocol, which answers a one-chunk GET without the ASGI layers).
+
+        Raises:
+            InputError: as for :meth:`get`.
+            ClosedError: the store is closed.
+        """
+        self._check_open()
+        keys = check_keys(keys)
+        view = _as_bytes_view(dst, writable=True)
+        slots = self._index.hold_run(keys)
+        need = sum(sl.value_bytes for sl in slots)
+        if need > view.nbytes:
+            self._index.unhold(slots)
+            raise InputError(f"destination of {view.nbytes} B; the hit needs {need} B")
+        tail = len(slots) < len(keys) and self._mover.shared
+        if tail or need > max_bytes or not all(self._memory[sl.tier] for sl in slots):
+            self._index.unhold(slots)
+            return None
+        return self._submit(self._mover.get, slots, view, [], inline=True).result()
+
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         """Remove chunks; returns how many were present. Reads in flight finish first.
 

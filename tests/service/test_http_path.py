@@ -122,3 +122,72 @@ def test_bodies_received_in_place_are_counted_in_metrics(daemon: Daemon) -> None
         before = _request_bytes(h)
         assert h.put(f"/v1/chunks/{key()}", content=os.urandom(123_457)).status_code == 200
         assert _request_bytes(h) - before == 123_457
+
+
+def _answers(s: socket.socket, requests: list[bytes]) -> list[tuple[int, dict[str, str], bytes]]:
+    """Send each request after the previous answer: (status, headers but date, body)."""
+    out = []
+    for req in requests:
+        s.sendall(req)
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            buf += s.recv(1 << 20)
+        head, _, body = buf.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+        while len(body) < int(headers["content-length"]):
+            body += s.recv(1 << 20)
+        headers.pop("date")
+        out.append((int(lines[0].split(" ")[1]), headers, body))
+    return out
+
+
+def _series(h: httpx.Client, pattern: str) -> int:
+    m = re.search(pattern + r" (\d+)", h.get("/metrics").text)
+    return int(m.group(1)) if m else 0
+
+
+_DIRECT = "kvtier_http_direct_answers_total"
+_GET_200 = r'kvtier_http_requests_total\{route="/v1/chunks/\{key\}",method="GET",status="200"\}'
+
+
+def test_a_get_answered_below_asgi_is_the_answer_asgi_gives(daemon: Daemon) -> None:
+    k, absent, v = key(), key(), os.urandom(300_001)
+    get = lambda path: f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode()  # noqa: E731
+    with httpx.Client(base_url=daemon.url, timeout=20) as h:
+        assert h.put(f"/v1/chunks/{k}", content=v).status_code == 200
+        direct, ok = _series(h, _DIRECT), _series(h, _GET_200)
+        with socket.create_connection(_addr(daemon), timeout=20) as s:
+            # A query string is not the protocol's to answer: the same GET through ASGI.
+            below, asgi, miss_below, miss_asgi = _answers(
+                s,
+                [
+                    get(f"/v1/chunks/{k}"),
+                    get(f"/v1/chunks/{k}?via=asgi"),
+                    get(f"/v1/chunks/{absent}"),
+                    get(f"/v1/chunks/{absent}?via=asgi"),
+                ],
+            )
+        assert below == asgi and below[0] == 200 and below[2] == v
+        assert miss_below == miss_asgi and miss_below[0] == 404
+        assert b"not_found" in miss_below[2]
+        # Two of the four were answered below ASGI; every answer is in the request series.
+        assert _series(h, _DIRECT) - direct == 2
+        assert _series(h, _GET_200) - ok == 2
+
+
+def test_pipelined_gets_around_direct_answers_keep_their_order(daemon: Daemon) -> None:
+    ks = [key() for _ in range(3)]
+    vs = [os.urandom(n) for n in (70_001, 150_003, 5)]
+    with httpx.Client(base_url=daemon.url, timeout=20) as h:
+        for k, v in zip(ks, vs, strict=True):
+            assert h.put(f"/v1/chunks/{k}", content=v).status_code == 200
+    paths = [ks[0], f"{ks[1]}?q=1", ks[2], key(), ks[1], f"{ks[0]}?q=2", ks[2]]
+    with socket.create_connection(_addr(daemon), timeout=20) as s:
+        s.sendall(
+            b"".join(f"GET /v1/chunks/{p} HTTP/1.1\r\nHost: x\r\n\r\n".encode() for p in paths)
+        )
+        got = _responses(s, len(paths))
+    assert [st for st, _ in got] == [200, 200, 200, 404, 200, 200, 200]
+    assert [b for _, b in got[:3]] == vs and got[4][1] == vs[1]
+    assert got[5][1] == vs[0] and got[6][1] == vs[2]
