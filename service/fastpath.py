@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Coroutine
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvtier.errors import KVTierError
 from kvtier.store.types import PutResult
 
-from .daemon import NOT_NOW, Daemon
+from .daemon import Daemon
+from .direct import not_found
 from .errors import reply_for, send_error
 from .headlimit import BODY_INTO, BodyInto
 from .limits import BODY_BYTES, TENANT
@@ -50,66 +49,6 @@ class _Route:
 
 _ROUTE = _Route("/v1/chunks/{key}")
 _BATCH_ROUTE = _Route(BATCH_GET)
-
-
-_CHUNK_URL = re.compile(rb"/v1/chunks/([0-9a-fA-F]{32})")
-
-
-class DirectGet:
-    """``GET /v1/chunks/{key}`` answered in the daemon's HTTP protocol, below ASGI.
-
-    The protocol (:mod:`kvtier.service.headlimit`) calls it when a GET's head is complete
-    and nothing else is in flight on the connection. It answers only what it can answer
-    now and exactly as the ASGI path would: an authenticated tenant's hit in memory (or a
-    miss with no shared tier to ask), with the same tenant counters and request metrics.
-    Anything else (no valid token, two Authorization headers, a body, a query string, a
-    hit behind I/O) returns None and takes the ASGI path, the gate and every check there.
-    Saves the per-request task, request cycle and ASGI layers: a third of a one-client
-    256 KiB GET's time on the 2-core VM (docs/benchmarks.md).
-    """
-
-    def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
-
-    def __call__(
-        self, url: bytes, headers: list[tuple[bytes, bytes]]
-    ) -> tuple[int, bytes, bytes | memoryview] | None:
-        """(status, content type, body) of the answer, or None for the ASGI path."""
-        m = _CHUNK_URL.fullmatch(url)
-        if m is None:
-            return None
-        t0 = time.perf_counter()
-        auth: bytes | None = None
-        for name, value in headers:
-            if name == b"authorization":
-                if auth is not None:
-                    return None  # the gate answers 400
-                auth = value
-            elif name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
-                return None  # a GET with a body: the routes' business
-        tenant = self.d.auth.authenticate(auth.decode("latin-1") if auth is not None else None)
-        if tenant is None:
-            return None  # the gate answers 401
-        key = m.group(1).decode("ascii")
-        try:
-            got = self.d.get_value_now(tenant, key)
-        except KVTierError:
-            return None  # a closed store: the ASGI path answers it as it always did
-        if got is NOT_NOW:
-            return None
-        body: bytes | memoryview
-        if got is None:
-            status, ctype, body = 404, b"application/json", _not_found(key)
-        else:
-            status, ctype, body = 200, OCTET, got
-        metrics = self.d.metrics
-        metrics.direct += 1
-        metrics.observe(_ROUTE.path, "GET", status, time.perf_counter() - t0, 0, len(body))
-        return status, ctype, body
-
-
-def _not_found(key: str) -> bytes:
-    return json.dumps({"code": "not_found", "message": f"key {key} is not present"}).encode()
 
 
 class FastPath:
@@ -169,7 +108,7 @@ class FastPath:
     async def _get(self, tenant: Any, key: str, send: Send) -> None:
         value = await self.d.get_value(tenant, key)
         if value is None:
-            await _respond(send, 404, b"application/json", _not_found(key))
+            await _respond(send, 404, b"application/json", not_found(key))
             return
         await _respond(send, 200, OCTET, value)
 

@@ -25,11 +25,12 @@ Two cheaper paths for the binary routes (issue 15), both invisible to the ASGI a
   together with its first body piece (one ``writelines``): the client wakes once per
   answer instead of twice, which costs a scheduling round on a loaded host.
 
-And one answer below ASGI: a daemon's :data:`DirectAnswer` (the one-chunk ``GET`` of a
-hit in memory, :class:`kvtier.service.fastpath.DirectGet`) is asked when a plain
-keep-alive ``GET`` head is complete and nothing else is in flight on the connection or
-waiting to be written; what it answers is written at once, with no task, request cycle
-or ASGI layer. What it declines takes the ASGI path as before.
+And answers below ASGI: a daemon's :class:`Direct` (the one-chunk ``GET`` and ``PUT``,
+:mod:`kvtier.service.direct`) is asked when a plain keep-alive request's head is complete
+and nothing else is in flight on the connection or waiting to be written. A GET it takes
+is answered at once; a PUT it takes has its body's pieces copied into the view it gives,
+and is answered when the body ends; no task, request cycle or ASGI layer either way.
+What it declines takes the ASGI path as before.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import (
@@ -59,11 +60,29 @@ or sent more or fewer bytes than ``view`` holds). Call it at most once, before a
 ``receive()``; servers other than the daemon's leave the key out."""
 BodyInto = Callable[[memoryview], Awaitable[int]]
 
-DirectAnswer = Callable[
-    [bytes, list[tuple[bytes, bytes]]], tuple[int, bytes, bytes | memoryview] | None
-]
-"""``(url, headers) -> (status, content type, body)`` of a GET answered in the protocol,
-or None for the ASGI path. Headers as uvicorn keeps them (names lower-cased)."""
+Answer = tuple[int, list[tuple[bytes, bytes]], bytes | memoryview]
+"""(status, headers, body) of an answer given in the protocol; it adds the date and the
+content length."""
+
+
+class DirectPut(Protocol):
+    """A PUT taken below ASGI: its body goes into :attr:`view`."""
+
+    view: memoryview
+
+    def finish(self, filled: bool) -> Answer:
+        """The answer once the body has ended (``filled``: exactly ``view``'s size)."""
+
+    def abort(self) -> None:
+        """The connection was lost mid-body."""
+
+
+class Direct(Protocol):
+    """What the protocol asks before it hands a request to ASGI; None: not taken."""
+
+    def get(self, url: bytes, headers: list[tuple[bytes, bytes]]) -> Answer | None: ...
+
+    def put(self, url: bytes, headers: list[tuple[bytes, bytes]]) -> DirectPut | None: ...
 
 
 class _Answered:
@@ -99,7 +118,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     max_header_bytes = 32 * 1024
     header_timeout_s = 10.0
-    direct: DirectAnswer | None = None
+    direct: Direct | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -108,6 +127,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._tail = b""
         self._head_timer: asyncio.TimerHandle | None = None
         self._into: _Into | None = None
+        self._put: tuple[DirectPut, _Into] | None = None
+        self._closing = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -115,7 +136,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        put, self._put = self._put, None
+        if put is not None:
+            put[0].abort()
         super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        if self._put is not None:  # answer the PUT being received, then close
+            self._closing = True
+            return
+        super().shutdown()
 
     def data_received(self, data: bytes) -> None:
         if self._in_head:
@@ -153,6 +183,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.scope[BODY_INTO] = lambda view: self._body_into(cycle, view)  # type: ignore[literal-required]
 
     def on_body(self, body: bytes) -> None:
+        if self._put is not None:
+            self._put[1].feed(body)
+            return
         into = self._into
         cycle = self.cycle
         if into is not None and into.cycle is cycle:
@@ -170,6 +203,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if cycle.early_bytes > HIGH_WATER_LIMIT:
             self.flow.pause_reading()
         cycle.message_event.set()
+
+    def on_message_complete(self) -> None:
+        put, self._put = self._put, None
+        if put is None:
+            super().on_message_complete()
+            return
+        taken, into = put
+        self._write(taken.finish(not into.overflow and into.pos == into.view.nbytes))
 
     async def _body_into(self, cycle: RequestResponseCycle, view: memoryview) -> int:
         if cycle.waiting_for_100_continue and not self.transport.is_closing():
@@ -197,7 +238,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return -1
         return into.pos
 
-    def _answer_directly(self, direct: DirectAnswer) -> bool:
+    def _answer_directly(self, direct: Direct) -> bool:
         parser = self.parser
         cycle = self.cycle
         if (
@@ -205,25 +246,41 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             or self.pipeline
             or self.flow.write_paused  # a client not reading: the ASGI path waits for it
             or self.expect_100_continue
-            or parser.get_method() != b"GET"
             or parser.get_http_version() != "1.1"
             or not parser.should_keep_alive()
             or parser.should_upgrade()
             or self.transport.is_closing()
         ):
             return False
-        answer = direct(self.url, self.headers)
-        if answer is None:
-            return False
-        status, ctype, body = answer
+        method = parser.get_method()
+        if method == b"GET":
+            answer = direct.get(self.url, self.headers)
+            if answer is None:
+                return False
+            self._write(answer)
+            return True
+        if method == b"PUT":
+            taken = direct.put(self.url, self.headers)
+            if taken is None:
+                return False
+            # No cycle until the answer: on_body feeds the view, on_message_complete answers.
+            self._put = (taken, _Into(None, taken.view))
+            return True
+        return False
+
+    def _write(self, answer: Answer) -> None:
+        status, headers, body = answer
         head = [STATUS_LINE[status]]
-        for name, value in self.server_state.default_headers:
+        for name, value in (*self.server_state.default_headers, *headers):
             head += [name, b": ", value, b"\r\n"]
-        head += [b"content-type: ", ctype, b"\r\ncontent-length: ", b"%d\r\n\r\n" % len(body)]
+        if self._closing:
+            head.append(b"connection: close\r\n")
+        head.append(b"content-length: %d\r\n\r\n" % len(body))
         self.transport.writelines([b"".join(head), body])
         self.cycle = _ANSWERED  # type: ignore[assignment]
+        if self._closing:
+            self.transport.close()
         self.on_response_complete()
-        return True
 
     # -- limits ----------------------------------------------------------------------------
 
@@ -271,7 +328,7 @@ class _Into:
 
     __slots__ = ("cycle", "overflow", "pos", "view")
 
-    def __init__(self, cycle: RequestResponseCycle, view: memoryview) -> None:
+    def __init__(self, cycle: RequestResponseCycle | None, view: memoryview) -> None:
         self.cycle = cycle
         self.view = view
         self.pos = 0
@@ -350,7 +407,7 @@ class _Cycle(RequestResponseCycle):
 
 
 def protocol_class(
-    max_header_bytes: int, header_timeout_s: float, direct: DirectAnswer | None = None
+    max_header_bytes: int, header_timeout_s: float, direct: Direct | None = None
 ) -> type[HttpToolsProtocol]:
     """The protocol class for one daemon's limits (uvicorn's ``http`` setting), answering
     what ``direct`` takes below ASGI."""
@@ -360,6 +417,6 @@ def protocol_class(
         {
             "max_header_bytes": max_header_bytes,
             "header_timeout_s": header_timeout_s,
-            "direct": staticmethod(direct) if direct is not None else None,
+            "direct": direct,
         },
     )

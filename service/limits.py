@@ -60,6 +60,14 @@ class Budget:
         self.used_bytes += n
         return True
 
+    def take_now(self, n: int) -> bool:
+        """Take ``n`` bytes if :meth:`acquire` would grant them without a wait; else
+        nothing (not counted as refused: the caller then goes through :meth:`acquire`)."""
+        if self._queue or self.used_bytes + n > self.limit_bytes:
+            return False
+        self.used_bytes += n
+        return True
+
     async def acquire(self, n: int) -> bool:
         """Take ``n`` bytes, waiting up to ``wait_s`` behind earlier waiters for room."""
         if not self._queue and self.used_bytes + n <= self.limit_bytes:

@@ -40,7 +40,7 @@ class RequestMetrics:
         self._bytes_in: dict[str, int] = {}
         self._bytes_out: dict[str, int] = {}
         self.in_flight = 0
-        # GETs answered in the HTTP protocol, below ASGI (service/fastpath.py: DirectGet).
+        # Requests answered in the HTTP protocol, below ASGI (service/direct.py).
         # Counted on the event loop only, as in_flight is.
         self.direct = 0
 
@@ -103,8 +103,8 @@ class RequestMetrics:
             "# HELP kvtier_http_requests_in_flight Requests being served now.",
             "# TYPE kvtier_http_requests_in_flight gauge",
             f"kvtier_http_requests_in_flight {in_flight}",
-            "# HELP kvtier_http_direct_answers_total GETs of a hit in memory (or a miss)"
-            " answered below ASGI; also counted in kvtier_http_requests_total.",
+            "# HELP kvtier_http_direct_answers_total One-chunk GETs and PUTs answered in the"
+            " HTTP protocol, below ASGI; also counted in kvtier_http_requests_total.",
             "# TYPE kvtier_http_direct_answers_total counter",
             f"kvtier_http_direct_answers_total {direct}",
         ]

@@ -72,7 +72,7 @@ def serve(cfg: KVTierConfig) -> None:
     import uvicorn
 
     from kvtier.service.app import create_app
-    from kvtier.service.fastpath import DirectGet
+    from kvtier.service.direct import DirectAnswers
     from kvtier.service.headlimit import protocol_class
 
     cfg = with_data_dir(cfg)
@@ -88,10 +88,10 @@ def serve(cfg: KVTierConfig) -> None:
             host=s.host,
             port=port,
             # Bounds the request head's size and time (service.max_header_bytes,
-            # service.header_timeout_s), and answers a one-chunk GET of a hit in
-            # memory below ASGI.
+            # service.header_timeout_s), and answers one-chunk GETs and PUTs of
+            # memory tiers below ASGI.
             http=protocol_class(
-                s.max_header_bytes, s.header_timeout_s, DirectGet(app.state.daemon)
+                s.max_header_bytes, s.header_timeout_s, DirectAnswers(app.state.daemon)
             ),
             log_level=cfg.log_level.lower(),
             access_log=False,  # one line per chunk would cost more than serving it

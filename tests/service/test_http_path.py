@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import time
 
 import httpx
 
-from .conftest import Daemon
+from .conftest import Daemon, DaemonFactory
 
 
 def key() -> str:
@@ -191,3 +192,40 @@ def test_pipelined_gets_around_direct_answers_keep_their_order(daemon: Daemon) -
     assert [st for st, _ in got] == [200, 200, 200, 404, 200, 200, 200]
     assert [b for _, b in got[:3]] == vs and got[4][1] == vs[1]
     assert got[5][1] == vs[0] and got[6][1] == vs[2]
+
+
+def test_a_put_answered_below_asgi_is_the_answer_asgi_gives(daemon: Daemon) -> None:
+    k1, k2, v = key(), key(), os.urandom(200_001)
+    put = lambda path: f"PUT {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(v)}\r\n\r\n"  # noqa: E731
+    with httpx.Client(base_url=daemon.url, timeout=20) as h:
+        direct = _series(h, _DIRECT)
+        with socket.create_connection(_addr(daemon), timeout=20) as s:
+            below, asgi, again = _answers(
+                s,
+                [
+                    put(f"/v1/chunks/{k1}").encode() + v,
+                    put(f"/v1/chunks/{k2}?via=asgi").encode() + v,
+                    put(f"/v1/chunks/{k1}").encode() + v,  # present: no slot to reserve
+                ],
+            )
+        assert below == asgi and below[0] == 200 and b'"stored": 1' in below[2]
+        assert again[0] == 200 and b'"present": 1' in again[2]
+        assert _series(h, _DIRECT) - direct == 1
+        assert h.get(f"/v1/chunks/{k1}").content == v == h.get(f"/v1/chunks/{k2}").content
+
+
+def test_a_put_being_received_at_shutdown_is_stored_and_answered(
+    daemon_factory: DaemonFactory,
+) -> None:
+    d = daemon_factory()
+    k, v = key(), os.urandom(600_000)
+    with socket.create_connection(_addr(d), timeout=20) as s:
+        s.sendall(_put_head(k, len(v)) + v[:1000])
+        time.sleep(0.3)  # the head is parsed and the PUT taken before the stop
+        d.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        s.sendall(v[1000:])
+        answer = _answers(s, [b""])[0]
+    assert answer[0] == 200 and b'"stored": 1' in answer[2]
+    assert answer[1]["connection"] == "close"  # and then the daemon goes on stopping
+    assert d.proc.wait(timeout=30) in (0, -signal.SIGTERM)

@@ -183,6 +183,39 @@ def test_bodies_in_flight_are_bounded_with_503_and_retry_after(limited: Daemon) 
         assert r.status_code == 200, r.text
 
 
+def test_a_put_received_below_asgi_holds_its_bytes_in_flight(limited: Daemon) -> None:
+    """A one-chunk PUT taken by the protocol (no ASGI request) counts against
+    service.max_inflight_bytes while its body arrives, and gives the bytes back when its
+    client goes away."""
+    auth = f"Authorization: Bearer {TOKENS['alice']}\r\n".encode()
+    held = _send_head(
+        limited,
+        f"PUT /v1/chunks/{key()} HTTP/1.1\r\nHost: x\r\n".encode()
+        + auth
+        + f"Content-Length: {MiB}\r\n\r\n".encode(),
+        b"\0" * 1000,
+    )
+    big = f"/v1/chunks/{key()}?bulk=1"  # a query string: the ASGI path, which waits or 503s
+    try:
+        with httpx.Client(base_url=limited.url, headers=limited.headers("alice")) as h:
+            deadline = time.monotonic() + 30
+            while "kvtier_http_requests_in_flight 2" not in h.get("/metrics").text:
+                assert time.monotonic() < deadline, "the held PUT never arrived"
+                time.sleep(0.05)
+            batch = h.post("/v1/batch/put", content=b"\0" * (3 * MiB + MiB // 2))
+            assert batch.status_code == 503, batch.text  # 1 + 3.5 > 4 MiB
+            assert h.put(big, content=os.urandom(MiB)).status_code == 200  # 1 + 1 fits
+    finally:
+        held.close()
+    with httpx.Client(base_url=limited.url, headers=limited.headers("alice")) as h:
+        deadline = time.monotonic() + 30
+        while "kvtier_http_requests_in_flight 1" not in h.get("/metrics").text:
+            assert time.monotonic() < deadline, "the held PUT was never given up"
+            time.sleep(0.05)
+        # Its bytes are back: 3.5 MiB fits again (a body that is not a batch: 400, not 503).
+        assert h.post("/v1/batch/put", content=b"\0" * (3 * MiB + MiB // 2)).status_code == 400
+
+
 def test_duplicate_authorization_headers_are_refused(tenant_daemon: Daemon) -> None:
     both = [
         ("Authorization", f"Bearer {TOKENS['alice']}"),
