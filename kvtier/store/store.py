@@ -45,7 +45,7 @@ import numpy.typing as npt
 from kvtier.errors import ClosedError, InputError, NotDurableError, TierError
 from kvtier.keys import ChunkKey, check_keys
 from kvtier.store.executor import INLINE, Executor, InlineExecutor, StealingExecutor
-from kvtier.store.index import StoreIndex
+from kvtier.store.index import Slot, StoreIndex
 from kvtier.store.mover import Listener, Mover, Values
 from kvtier.store.policy import EvictionFactory, LRUEviction, PlacementPolicy, WriteThrough
 from kvtier.store.types import (
@@ -294,14 +294,7 @@ class TieredStore:
         memcpy then costs less than the hand-off to an I/O thread and back (the daemon's
         event loop uses it; a tier behind I/O still never blocks the caller).
         """
-        self._check_open()
-        keys = check_keys(keys)
-        view = _as_bytes_view(dst, writable=True)
-        slots = self._index.hold_run(keys)
-        need = sum(sl.value_bytes for sl in slots)
-        if need > view.nbytes:
-            self._index.unread(slots)
-            raise InputError(f"destination of {view.nbytes} B; the hit needs {need} B")
+        keys, view, slots, need = self._hold_for(keys, dst)
         tail = list(keys[len(slots) :]) if self._mover.shared else []
         if (
             not inline
@@ -325,14 +318,7 @@ class TieredStore:
             InputError: as for :meth:`get`.
             ClosedError: the store is closed.
         """
-        self._check_open()
-        keys = check_keys(keys)
-        view = _as_bytes_view(dst, writable=True)
-        slots = self._index.hold_run(keys)
-        need = sum(sl.value_bytes for sl in slots)
-        if need > view.nbytes:
-            self._index.unhold(slots)
-            raise InputError(f"destination of {view.nbytes} B; the hit needs {need} B")
+        keys, view, slots, need = self._hold_for(keys, dst)
         tail = len(slots) < len(keys) and self._mover.shared
         if tail or need > max_bytes or not all(self._memory[sl.tier] for sl in slots):
             self._index.unhold(slots)
@@ -344,6 +330,20 @@ class TieredStore:
             return self._mover.get(slots, view, [])
         finally:
             self._done(None)
+
+    def _hold_for(
+        self, keys: Sequence[ChunkKey], dst: Buffer
+    ) -> tuple[list[ChunkKey], memoryview, list[Slot], int]:
+        """A get's checked keys, destination view, held leading hits and their bytes."""
+        self._check_open()
+        checked = check_keys(keys)
+        view = _as_bytes_view(dst, writable=True)
+        slots = self._index.hold_run(checked)
+        need = sum(sl.value_bytes for sl in slots)
+        if need > view.nbytes:
+            self._index.unread(slots)
+            raise InputError(f"destination of {view.nbytes} B; the hit needs {need} B")
+        return checked, view, slots, need
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         """Remove chunks; returns how many were present. Reads in flight finish first.
