@@ -85,11 +85,20 @@ class Direct(Protocol):
     def put(self, url: bytes, headers: list[tuple[bytes, bytes]]) -> DirectPut | None: ...
 
 
+class _NoEvent:
+    def set(self) -> None:
+        pass
+
+
 class _Answered:
-    """The connection's cycle once a direct answer is written: complete, nothing pending."""
+    """The connection's cycle once a direct answer is written: complete, nothing pending
+    (what uvicorn reads of a finished cycle: on_body, on_message_complete, shutdown,
+    connection_lost)."""
 
     response_complete = True
     disconnected = False
+    keep_alive = True
+    message_event = _NoEvent()
 
 
 _ANSWERED = _Answered()
@@ -142,10 +151,21 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def shutdown(self) -> None:
-        if self._put is not None:  # answer the PUT being received, then close
-            self._closing = True
+        if self._put is None:
+            super().shutdown()
             return
-        super().shutdown()
+        # Answer the PUT being received, then close; as uvicorn cancels a request's task
+        # when service.shutdown_timeout_s runs out, drop it then (this timer is set just
+        # before uvicorn's, so the store's close never waits on its reservation).
+        self._closing = True
+        grace = self.config.timeout_graceful_shutdown
+        if grace is not None:
+            self.loop.call_later(grace, self._give_up)
+
+    def _give_up(self) -> None:
+        if self._put is not None and not self.transport.is_closing():
+            log.info("closing a connection whose PUT body was not complete at shutdown")
+            self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         if self._in_head:
@@ -161,6 +181,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        # A request began: not idle. (A direct answer ends its request inside the read,
+        # which arms uvicorn's keep-alive timer while the read may hold the next one.)
+        self._unset_keepalive_if_required()
         if not self._in_head:  # the next request on a kept-alive connection
             self._in_head = True
             self._head_bytes = 0
@@ -170,6 +193,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._disarm()
+        cycle = self.cycle
+        if self.transport.is_closing() and (cycle is None or cycle.response_complete):
+            # A request read after a direct answer closed the connection (at shutdown):
+            # nobody can be answered, so nothing is started (uvicorn never starts a
+            # request queued behind a closing connection either).
+            self.cycle = _ANSWERED  # type: ignore[assignment]
+            return
         if self.direct is not None and self._answer_directly(self.direct):
             return
         super().on_headers_complete()
@@ -253,16 +283,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         ):
             return False
         method = parser.get_method()
-        if method == b"GET":
-            answer = direct.get(self.url, self.headers)
-            if answer is None:
-                return False
+        try:
+            answer = direct.get(self.url, self.headers) if method == b"GET" else None
+            taken = direct.put(self.url, self.headers) if method == b"PUT" else None
+        except Exception:  # a bug there must not become the parser's 400: ASGI answers
+            log.exception("a direct answer failed; the request takes the ASGI path")
+            return False
+        if answer is not None:
             self._write(answer)
             return True
-        if method == b"PUT":
-            taken = direct.put(self.url, self.headers)
-            if taken is None:
-                return False
+        if taken is not None:
             # No cycle until the answer: on_body feeds the view, on_message_complete answers.
             self._put = (taken, _Into(None, taken.view))
             return True
