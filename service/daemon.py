@@ -24,7 +24,7 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, InputError
 from kvtier.factory import Built
 from kvtier.keys import ChunkKey
-from kvtier.store.store import Reservation, TieredStore
+from kvtier.store.store import HeldValue, Reservation, TieredStore
 from kvtier.store.types import GetResult, LookupResult, PutResult
 
 from . import wire
@@ -247,6 +247,14 @@ class Daemon:
         buf = self.values.take(self.limits.max_value_bytes)
         res = self.store.get_now([self.key(t, hex_key)], buf, max_bytes=INLINE_GET_BYTES)
         return NOT_NOW if res is None else self._got(t, buf, res)
+
+    def hold_value(self, t: Tenant, hex_key: str) -> HeldValue | None:
+        """:meth:`get_value`'s hit in place, in a tier of plain memory, for an answer sent
+        straight from it (release it once sent); None, having done nothing, otherwise."""
+        held = self.store.hold_value(self.key(t, hex_key), max_bytes=self.limits.max_value_bytes)
+        if held is not None:
+            self.tenants.add(t.name, get_chunks=1, get_bytes=held.view.nbytes)
+        return held
 
     def _got(self, t: Tenant, buf: npt.NDArray[np.uint8], res: GetResult) -> memoryview | None:
         if not res.chunks:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -65,6 +66,18 @@ Answer = tuple[int, list[tuple[bytes, bytes]], bytes | memoryview]
 content length."""
 
 
+class HeldAnswer(Protocol):
+    """An answer whose body is borrowed (a store slot held in place): :attr:`view` may
+    be read until :meth:`release`, which the protocol calls once, when the bytes are
+    sent or copied."""
+
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    view: memoryview
+
+    def release(self) -> None: ...
+
+
 class DirectPut(Protocol):
     """A PUT taken below ASGI: its body goes into :attr:`view`."""
 
@@ -80,7 +93,7 @@ class DirectPut(Protocol):
 class Direct(Protocol):
     """What the protocol asks before it hands a request to ASGI; None: not taken."""
 
-    def get(self, url: bytes, headers: list[tuple[bytes, bytes]]) -> Answer | None: ...
+    def get(self, url: bytes, headers: list[tuple[bytes, bytes]]) -> Answer | HeldAnswer | None: ...
 
     def put(self, url: bytes, headers: list[tuple[bytes, bytes]]) -> DirectPut | None: ...
 
@@ -289,8 +302,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         except Exception:  # a bug there must not become the parser's 400: ASGI answers
             log.exception("a direct answer failed; the request takes the ASGI path")
             return False
-        if answer is not None:
+        if isinstance(answer, tuple):
             self._write(answer)
+            return True
+        if answer is not None:
+            try:
+                self._send_borrowed(answer.status, answer.headers, answer.view)
+            finally:
+                answer.release()
             return True
         if taken is not None:
             # No cycle until the answer: on_body feeds the view, on_message_complete answers.
@@ -298,19 +317,50 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return True
         return False
 
-    def _write(self, answer: Answer) -> None:
-        status, headers, body = answer
+    def _send_borrowed(
+        self, status: int, headers: list[tuple[bytes, bytes]], view: memoryview
+    ) -> None:
+        """Write an answer with ``view`` as its body, done with ``view`` on return.
+
+        Straight from the borrowed memory to the socket (one ``writev``) when nothing
+        else waits to be written; what the socket does not take now is copied to the
+        transport, which never keeps a reference to the view.
+        """
+        head = self._head_bytes_of(status, headers, view.nbytes)
+        sock = self.transport.get_extra_info("socket")
+        sent = 0
+        if sock is not None and self.transport.get_write_buffer_size() == 0:
+            try:
+                sent = os.writev(sock.fileno(), [head, view])
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                sent = 0  # the transport meets the same error on its next write
+        if sent < len(head):
+            self.transport.writelines([head[sent:], bytes(view)])
+        elif sent < len(head) + view.nbytes:
+            self.transport.write(bytes(view[sent - len(head) :]))
+        self._answered()
+
+    def _head_bytes_of(self, status: int, headers: list[tuple[bytes, bytes]], n: int) -> bytes:
         head = [STATUS_LINE[status]]
         for name, value in (*self.server_state.default_headers, *headers):
             head += [name, b": ", value, b"\r\n"]
         if self._closing:
             head.append(b"connection: close\r\n")
-        head.append(b"content-length: %d\r\n\r\n" % len(body))
-        self.transport.writelines([b"".join(head), body])
+        head.append(b"content-length: %d\r\n\r\n" % n)
+        return b"".join(head)
+
+    def _answered(self) -> None:
         self.cycle = _ANSWERED  # type: ignore[assignment]
         if self._closing:
             self.transport.close()
         self.on_response_complete()
+
+    def _write(self, answer: Answer) -> None:
+        status, headers, body = answer
+        self.transport.writelines([self._head_bytes_of(status, headers, len(body)), body])
+        self._answered()
 
     # -- limits ----------------------------------------------------------------------------
 

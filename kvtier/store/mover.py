@@ -199,8 +199,13 @@ class Mover:
                 lengths.extend([run.value_bytes] * run.n)
         finally:
             self.index.unread(slots)
+        self.count_hits(slots[:done], pos)
+        return GetResult(done, pos, tuple(lengths), tuple(tiers))
+
+    def count_hits(self, served: list[Slot], nbytes: int) -> None:
+        """A get's served chunks into the counters and the placement (hits, promotions)."""
         with self.index.lock:  # every placement hook runs under the store's lock
-            by_tier = self.index.note_hits(slots[:done], pos)
+            by_tier = self.index.note_hits(served, nbytes)
             for t, ks in by_tier.items():
                 self.placement.on_hit(t, ks)
             promote = [
@@ -210,7 +215,6 @@ class Mover:
             ]
         for ks in promote:
             self._background(functools.partial(self._promote, ks))
-        return GetResult(done, pos, tuple(lengths), tuple(tiers))
 
     def _promote(self, keys: list[ChunkKey]) -> None:
         # Never more than half the top tier at once: a promotion must not flush the

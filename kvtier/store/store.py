@@ -331,6 +331,43 @@ class TieredStore:
         finally:
             self._done(None)
 
+    def hold_value(self, key: ChunkKey, *, max_bytes: int) -> HeldValue | None:
+        """One chunk's value in place, in a tier of plain memory, held until released.
+
+        The hold keeps the slot from being evicted, moved or reused until
+        :meth:`HeldValue.release`, which also counts the get (hits, placement, tier
+        reads) as :meth:`get` does. None, having held and counted nothing, when the chunk
+        is absent, lies behind I/O, or is over ``max_bytes``. For a caller that sends a
+        value straight from the tier (the daemon's protocol answering a GET): one copy
+        fewer than :meth:`get`.
+
+        Raises:
+            InputError: a malformed key.
+            ClosedError: the store is closed.
+        """
+        self._check_open()
+        (key,) = check_keys([key])
+        slots = self._index.hold_run([key])
+        sl = slots[0] if slots else None
+        view = (
+            self.tiers[sl.tier].slot_view(sl.offset, sl.value_bytes)
+            if sl is not None and sl.value_bytes <= max_bytes and self._memory[sl.tier]
+            else None
+        )
+        if sl is None or view is None:
+            self._index.unhold(slots)
+            return None
+        with self._idle:  # counted like a queued operation: drain() and close() wait for it
+            self._inflight += 1
+        return HeldValue(self, sl, view)
+
+    def _release(self, held: HeldValue) -> None:
+        sl = held.slot
+        self._index.unread([sl])
+        self._mover.count_hits([sl], sl.value_bytes)
+        self.tiers[sl.tier].count_read(sl.value_bytes)
+        self._done(None)
+
     def _hold_for(
         self, keys: Sequence[ChunkKey], dst: Buffer
     ) -> tuple[list[ChunkKey], memoryview, list[Slot], int]:
@@ -528,6 +565,27 @@ class TieredStore:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("the store is closed")
+
+
+@dataclass(eq=False)
+class HeldValue:
+    """A chunk's value held in place by :meth:`TieredStore.hold_value`.
+
+    Read :attr:`view`, then call :meth:`release` once (later calls are no-ops); never
+    use the view after. One owner.
+    """
+
+    _store: TieredStore = field(repr=False)
+    slot: Slot = field(repr=False)
+    view: memoryview = field(repr=False)
+    _released: bool = field(default=False, repr=False)
+
+    def release(self) -> None:
+        """End the hold and count the get."""
+        if self._released:
+            return
+        self._released = True
+        self._store._release(self)
 
 
 @dataclass(eq=False)

@@ -232,8 +232,12 @@ class Tier(ABC):
         """
         self._check(run, dst)
         self._read(run, dst)
+        self.count_read(run.nbytes)
+
+    def count_read(self, nbytes: int) -> None:
+        """Count one read of ``nbytes`` (also one made through :meth:`slot_view`)."""
         with self._stat_lock:
-            self._bytes_read += run.nbytes
+            self._bytes_read += nbytes
             self._read_ops += 1
 
     def _check(self, run: SlotRun, buf: memoryview) -> None:

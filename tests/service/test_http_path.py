@@ -229,3 +229,25 @@ def test_a_put_being_received_at_shutdown_is_stored_and_answered(
     assert answer[0] == 200 and b'"stored": 1' in answer[2]
     assert answer[1]["connection"] == "close"  # and then the daemon goes on stopping
     assert d.proc.wait(timeout=30) in (0, -signal.SIGTERM)
+
+
+def test_gets_sent_from_the_tier_arrive_whole_when_the_client_reads_late(daemon: Daemon) -> None:
+    # Direct GETs send a value straight from its slot; what the socket does not take at
+    # once is copied. A client that pipelines 24 GETs of 1 MiB and reads only after all
+    # were sent fills the socket: every answer must still be the value, byte for byte.
+    ks = [key() for _ in range(3)]
+    vs = [os.urandom(1 << 20) for _ in ks]
+    with httpx.Client(base_url=daemon.url, timeout=20) as h:
+        for k, v in zip(ks, vs, strict=True):
+            assert h.put(f"/v1/chunks/{k}", content=v).status_code == 200
+    order = [i % 3 for i in range(24)]
+    with socket.create_connection(_addr(daemon), timeout=30) as s:
+        s.sendall(
+            b"".join(f"GET /v1/chunks/{ks[i]} HTTP/1.1\r\nHost: x\r\n\r\n".encode() for i in order)
+        )
+        time.sleep(1.0)  # the daemon answers into a socket nobody reads yet
+        got = _responses(s, len(order))
+    assert [st for st, _ in got] == [200] * len(order)
+    assert all(body == vs[i] for (_, body), i in zip(got, order, strict=True))
+    with httpx.Client(base_url=daemon.url, timeout=20) as h:  # no hold was left behind
+        assert h.delete(f"/v1/chunks/{ks[0]}").status_code == 200

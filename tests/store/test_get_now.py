@@ -51,3 +51,30 @@ def test_a_hit_over_max_bytes_is_left_untouched(tmp_path: Path) -> None:
         assert store.get_now([key(1)], out, max_bytes=SLOT - 1) is None
         assert store.stats().gets == 0 and not out.any()
         assert store.delete([key(1)]) == 1
+
+
+def test_a_held_value_is_the_chunk_in_place_and_counts_when_released(tmp_path: Path) -> None:
+    with TieredStore([host(tmp_path, "top", 4)], io_threads=1) as store:
+        store.put([key(1)], value(1)).result()
+        held = store.hold_value(key(1), max_bytes=SLOT)
+        assert held is not None
+        assert bytes(held.view) == value(1).tobytes()
+        assert store.stats().get_chunks == 0  # counted when released, as a get is
+        held.release()
+        held.release()  # a no-op
+        stats = store.stats()
+        assert (stats.gets, stats.get_chunks, stats.get_bytes) == (1, 1, SLOT)
+        assert store.delete([key(1)]) == 1  # nothing is held any more
+
+
+def test_no_value_is_held_when_absent_behind_io_or_too_large(tmp_path: Path) -> None:
+    with TieredStore([host(tmp_path, "top", 4)], io_threads=1) as store:
+        store.put([key(1)], value(1)).result()
+        assert store.hold_value(key(2), max_bytes=SLOT) is None
+        assert store.hold_value(key(1), max_bytes=SLOT - 1) is None
+        assert store.stats().gets == 0
+    with TieredStore([nvme(tmp_path, "low", 4)], io_threads=1) as store:
+        store.put([key(1)], value(1)).result()
+        assert store.hold_value(key(1), max_bytes=SLOT) is None
+        assert store.stats().gets == 0
+        assert store.delete([key(1)]) == 1
