@@ -24,7 +24,8 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, InputError
 from kvtier.factory import Built
 from kvtier.keys import ChunkKey
-from kvtier.store.store import HeldValue, Reservation, TieredStore
+from kvtier.store.handles import HeldValue, Reservation
+from kvtier.store.store import TieredStore
 from kvtier.store.types import GetResult, LookupResult, PutResult
 
 from . import wire
@@ -253,7 +254,11 @@ class Daemon:
         straight from it (release it once sent); None, having done nothing, otherwise."""
         held = self.store.hold_value(self.key(t, hex_key), max_bytes=self.limits.max_value_bytes)
         if held is not None:
-            self.tenants.add(t.name, get_chunks=1, get_bytes=held.view.nbytes)
+            try:
+                self.tenants.add(t.name, get_chunks=1, get_bytes=held.view.nbytes)
+            except BaseException:
+                held.release()
+                raise
         return held
 
     def _got(self, t: Tenant, buf: npt.NDArray[np.uint8], res: GetResult) -> memoryview | None:

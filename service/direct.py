@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 from kvtier.errors import KVTierError
-from kvtier.store.store import HeldValue, Reservation
+from kvtier.store.handles import HeldValue, Reservation
 
 from .daemon import NOT_NOW, Daemon
 from .errors import ErrorReply, reply_for
@@ -62,9 +62,12 @@ class DirectAnswers:
         try:
             held = self.d.hold_value(tenant, key)
             if held is not None:  # sent straight from the tier's slot: no copy here
-                borrowed = _Borrowed(held)
-                self.count("GET", (200, [], held.view), t0, 0)
-                return borrowed
+                try:
+                    self.count("GET", (200, [], held.view), t0, 0)
+                except BaseException:
+                    held.release()
+                    raise
+                return _Borrowed(held)
             got = self.d.get_value_now(tenant, key)
         except KVTierError:
             return None  # a closed store: the ASGI path answers it as it always did

@@ -308,6 +308,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if answer is not None:
             try:
                 self._send_borrowed(answer.status, answer.headers, answer.view)
+            except Exception:  # maybe after part of a 200 went out: the connection ends
+                log.exception("a direct answer failed while it was sent")
+                self.transport.abort()
             finally:
                 answer.release()
             return True
@@ -326,6 +329,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         else waits to be written; what the socket does not take now is copied to the
         transport, which never keeps a reference to the view.
         """
+        if self.transport.is_closing():  # nobody to answer, and the fd may be gone
+            self._answered()
+            return
         head = self._head_bytes_of(status, headers, view.nbytes)
         sock = self.transport.get_extra_info("socket")
         sent = 0

@@ -36,7 +36,6 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -45,6 +44,7 @@ import numpy.typing as npt
 from kvtier.errors import ClosedError, InputError, NotDurableError, TierError
 from kvtier.keys import ChunkKey, check_keys
 from kvtier.store.executor import INLINE, Executor, InlineExecutor, StealingExecutor
+from kvtier.store.handles import HeldValue, Reservation
 from kvtier.store.index import Slot, StoreIndex
 from kvtier.store.mover import Listener, Mover, Values
 from kvtier.store.policy import EvictionFactory, LRUEviction, PlacementPolicy, WriteThrough
@@ -361,13 +361,6 @@ class TieredStore:
             self._inflight += 1
         return HeldValue(self, sl, view)
 
-    def _release(self, held: HeldValue) -> None:
-        sl = held.slot
-        self._index.unread([sl])
-        self._mover.count_hits([sl], sl.value_bytes)
-        self.tiers[sl.tier].count_read(sl.value_bytes)
-        self._done(None)
-
     def _hold_for(
         self, keys: Sequence[ChunkKey], dst: Buffer
     ) -> tuple[list[ChunkKey], memoryview, list[Slot], int]:
@@ -565,72 +558,3 @@ class TieredStore:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("the store is closed")
-
-
-@dataclass(eq=False)
-class HeldValue:
-    """A chunk's value held in place by :meth:`TieredStore.hold_value`.
-
-    Read :attr:`view`, then call :meth:`release` once (later calls are no-ops); never
-    use the view after. One owner.
-    """
-
-    _store: TieredStore = field(repr=False)
-    slot: Slot = field(repr=False)
-    view: memoryview = field(repr=False)
-    _released: bool = field(default=False, repr=False)
-
-    def release(self) -> None:
-        """End the hold and count the get."""
-        if self._released:
-            return
-        self._released = True
-        self._store._release(self)
-
-
-@dataclass(eq=False)
-class Reservation:
-    """One slot reserved by :meth:`TieredStore.reserve`, filled in place by its owner.
-
-    Fill all of :attr:`view`, then call :meth:`commit`; or :meth:`abort`. Exactly one of
-    the two, once (later calls are no-ops). One owner; the view may be filled from any
-    thread. The view points into the tier's memory: never use it after commit or abort.
-    """
-
-    _store: TieredStore = field(repr=False)
-    key: ChunkKey
-    tier: int
-    _offset: int
-    view: memoryview = field(repr=False)
-    _open: bool = field(default=True, init=False)
-
-    def commit(self) -> PutResult:
-        """Index the chunk (its value is what :attr:`view` holds now). Never blocks on I/O."""
-        if not self._open:
-            return PutResult(0, 0, 0, 0)
-        self._open = False
-        s = self._store
-        nbytes = self.view.nbytes
-        tier = s.tiers[self.tier]
-        try:
-            tier.note_written(nbytes)
-            with s._index.lock:
-                s._index.counts.puts += 1
-            s._index.add_written(self.tier, [(self.key, self._offset)], nbytes)
-            s._index.finish_put([(0, self.key)], 1, 0)
-            s._mover.emit(StoreEvent(EventKind.STORED, tier.name, 1, nbytes))
-        finally:
-            s._done(None)
-        return PutResult(1, 0, 0, 0)
-
-    def abort(self) -> None:
-        """Give the slot back; the chunk is not stored (its key stays absent)."""
-        if not self._open:
-            return
-        self._open = False
-        s = self._store
-        try:
-            s.tiers[self.tier].release(self._offset, 1)
-            s._index.unclaim(self.key)
-        finally:
-            s._done(None)

@@ -1,0 +1,92 @@
+"""Handles the store gives out on slots in place: a reservation to fill, a value to read.
+
+Both point into a tier's memory and are counted as operations in flight, so
+:meth:`~kvtier.store.store.TieredStore.drain` and ``close`` wait until each one ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvtier.keys import ChunkKey
+from kvtier.store.index import Slot
+from kvtier.store.types import EventKind, PutResult, StoreEvent
+
+if TYPE_CHECKING:
+    from kvtier.store.store import TieredStore
+
+
+@dataclass(eq=False)
+class HeldValue:
+    """A chunk's value held in place by :meth:`TieredStore.hold_value`.
+
+    Read :attr:`view`, then call :meth:`release` once (later calls are no-ops); never
+    use the view after. One owner.
+    """
+
+    _store: TieredStore = field(repr=False)
+    slot: Slot = field(repr=False)
+    view: memoryview = field(repr=False)
+    _released: bool = field(default=False, repr=False)
+
+    def release(self) -> None:
+        """End the hold and count the get (hits, placement, tier reads) as a get does."""
+        if self._released:
+            return
+        self._released = True
+        s, sl = self._store, self.slot
+        try:
+            s._index.unread([sl])  # first: the slot is freeable whatever follows
+            s._mover.count_hits([sl], sl.value_bytes)
+            s.tiers[sl.tier].count_read(sl.value_bytes)
+        finally:
+            s._done(None)
+
+
+@dataclass(eq=False)
+class Reservation:
+    """One slot reserved by :meth:`TieredStore.reserve`, filled in place by its owner.
+
+    Fill all of :attr:`view`, then call :meth:`commit`; or :meth:`abort`. Exactly one of
+    the two, once (later calls are no-ops). One owner; the view may be filled from any
+    thread. The view points into the tier's memory: never use it after commit or abort.
+    """
+
+    _store: TieredStore = field(repr=False)
+    key: ChunkKey
+    tier: int
+    _offset: int
+    view: memoryview = field(repr=False)
+    _open: bool = field(default=True, init=False)
+
+    def commit(self) -> PutResult:
+        """Index the chunk (its value is what :attr:`view` holds now). Never blocks on I/O."""
+        if not self._open:
+            return PutResult(0, 0, 0, 0)
+        self._open = False
+        s = self._store
+        nbytes = self.view.nbytes
+        tier = s.tiers[self.tier]
+        try:
+            tier.note_written(nbytes)
+            with s._index.lock:
+                s._index.counts.puts += 1
+            s._index.add_written(self.tier, [(self.key, self._offset)], nbytes)
+            s._index.finish_put([(0, self.key)], 1, 0)
+            s._mover.emit(StoreEvent(EventKind.STORED, tier.name, 1, nbytes))
+        finally:
+            s._done(None)
+        return PutResult(1, 0, 0, 0)
+
+    def abort(self) -> None:
+        """Give the slot back; the chunk is not stored (its key stays absent)."""
+        if not self._open:
+            return
+        self._open = False
+        s = self._store
+        try:
+            s.tiers[self.tier].release(self._offset, 1)
+            s._index.unclaim(self.key)
+        finally:
+            s._done(None)
