@@ -391,6 +391,29 @@ class Client(_Base[httpx.BaseTransport]):
                 log.warning("kvtier shared buffer of %d B unavailable: %s", nbytes, exc)
         return np.empty(nbytes, dtype=np.uint8)
 
+    def shared_region(self, nbytes: int) -> npt.NDArray[np.uint8] | None:
+        """A uint8 buffer in memory shared with the daemon, of ``nbytes`` or the largest
+        region the daemon maps if that is less; None while the same-host channel is down
+        or the memory cannot be made. Gets into it copy nothing on this side while
+        :meth:`is_shared` says so (a new channel after a failure does not know it)."""
+        shm = self._same_host()
+        if shm is None:
+            return None
+        size = min(nbytes, shm.info.max_region_bytes)
+        if size <= 0:
+            return None
+        try:
+            return shm.shared_buffer(size)
+        except OSError as exc:
+            log.warning("kvtier shared region of %d B unavailable: %s", size, exc)
+            return None
+
+    def is_shared(self, buffer: Buffer) -> bool:
+        """True while ``buffer`` lies in memory the current same-host channel shares
+        with the daemon."""
+        shm = self._same_host()
+        return shm is not None and shm.holds(_writable(buffer))
+
     # -- the API (each line runs one shared operation) --------------------------------------
 
     def put(self, key: KeyLike, value: bytes | bytearray | memoryview) -> PutResult:

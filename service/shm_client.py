@@ -246,6 +246,11 @@ class SameHost:
             self._shared.append(region)
         return region.array[:nbytes]
 
+    def holds(self, view: memoryview) -> bool:
+        """True when ``view`` lies whole in a buffer from :meth:`shared_buffer` of this
+        channel (the daemon copies straight into or out of it)."""
+        return self._locate(view) is not None
+
     def _locate(self, view: memoryview) -> tuple[Region, int] | None:
         addr = address(view)
         with self._lock:

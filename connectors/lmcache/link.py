@@ -17,6 +17,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.keys import ChunkKey
 from kvtier.service.breaker import Breaker
@@ -136,6 +139,29 @@ class DaemonLink:
         got = self._breaker.call(what, lambda: self._client.get_into(list(keys), dst), None)
         lengths: tuple[int, ...] = got.value_bytes if got is not None else ()
         return lengths
+
+    def shared_region(self, nbytes: int) -> npt.NDArray[np.uint8] | None:
+        """Memory shared with the daemon (at most ``nbytes``); None while the daemon is
+        not reachable through its same-host channel. Never raises."""
+        if not self.available():
+            return None
+        try:
+            region: npt.NDArray[np.uint8] | None = self._client.shared_region(nbytes)
+        except (KVTierError, OSError) as exc:
+            log.debug("kvtier daemon %s: no shared region: %s", self.settings.url, exc)
+            return None
+        return region
+
+    def is_shared(self, array: npt.NDArray[np.uint8]) -> bool:
+        """True while ``array`` is memory the daemon's current same-host channel maps;
+        False while the link holds off after a failure. Never raises."""
+        if not self.available():
+            return False
+        try:
+            shared: bool = self._client.is_shared(array)
+        except (KVTierError, OSError):
+            return False
+        return shared
 
     def put(self, key: ChunkKey, value: memoryview) -> bool:
         """Store one value; True when the daemon holds it afterwards."""

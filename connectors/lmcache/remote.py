@@ -17,8 +17,10 @@ a socket and several chunks move at once.
 Values are the chunk's bytes as LMCache hands them over (``memory_obj.byte_array``),
 without LMCache's metadata header: the shape follows from the engine's metadata and
 the value's length, as LMCache's own ``fs`` connector does without ``save_chunk_meta``
-(a partial last chunk is shortened by ``reshape_partial_chunk``). Loads write straight
-into the memory object LMCache allocates: one copy, from the socket.
+(a partial last chunk is shortened by ``reshape_partial_chunk``). Loads are one copy:
+from a daemon on this host, into memory objects of a pool shared with it (:mod:`.pool`,
+``shared_bytes``, default 1 GiB; LMCache's own memory once the pool is held); over
+HTTP, from the socket into the objects LMCache allocates.
 
 Contracts kept (read from LMCache 0.5.6): ``put`` never calls ``ref_count_down()`` (the
 instrumented wrapper does); ``get`` allocates through ``local_cpu_backend.allocate``
@@ -32,6 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -45,7 +49,8 @@ from typing_extensions import override
 
 from .keys import engine_key
 from .link import DaemonLink
-from .settings import REMOTE_PREFIX, daemon_settings, plugin_name
+from .pool import LoadPool, page_lock
+from .settings import REMOTE_PREFIX, daemon_settings, plugin_name, shared_bytes
 from .spans import collect, spans, split
 
 log = logging.getLogger(__name__)
@@ -55,6 +60,9 @@ T = TypeVar("T")
 # Requests in flight at once: enough to overlap a batch's round trips on loopback,
 # few enough not to starve the engine's own threads.
 IO_THREADS = 8
+# After the load pool could not be made (channel down), loads copy for this long
+# before the connector asks for shared memory again.
+POOL_RETRY_S = 5.0
 
 
 class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache is untyped
@@ -83,10 +91,17 @@ class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache i
         extra = cfg.extra_config or {}
         name = plugin_name or _name(cfg, extra)
         self.settings = daemon_settings(extra, f"{REMOTE_PREFIX}.{name}")
+        self.shared_bytes = shared_bytes(extra, f"{REMOTE_PREFIX}.{name}")
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         self.link = DaemonLink(self.settings, pool=IO_THREADS)
         self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvtier-lmcache")
+        # Loads land here when the daemon shares this host (see .pool); made on first use.
+        self.load_pool: LoadPool | None = None
+        self._load_pool_lock = threading.Lock()
+        self._load_pool_retry_at = 0.0
+        # Made now, off LMCache's threads: the first load need not wait for the region.
+        self._pool.submit(self._shared_pool)
         log.info(
             "kvtier remote plug-in %r: daemon %s, chunk %d B",
             name,
@@ -124,9 +139,46 @@ class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache i
 
     # -- loads -------------------------------------------------------------------------------
 
+    def _shared_pool(self) -> LoadPool | None:
+        """The load pool while the daemon's same-host channel maps it; a new one after the
+        channel was replaced (the old one lives on until LMCache frees its objects);
+        None without a channel, or with ``shared_bytes = 0``."""
+        if self.shared_bytes == 0:
+            return None
+        with self._load_pool_lock:
+            pool = self.load_pool
+            if pool is not None and self.link.is_shared(pool.array):
+                return pool
+            self.load_pool = None
+            if time.monotonic() < self._load_pool_retry_at:
+                return None
+            array = self.link.shared_region(self.shared_bytes)
+            if array is None:
+                self._load_pool_retry_at = time.monotonic() + POOL_RETRY_S
+                return None
+            reason = page_lock(array)
+            if reason is not None:
+                log.warning("kvtier remote plug-in: loads copy once more (%s)", reason)
+                self.shared_bytes = 0
+                return None
+            try:
+                self.load_pool = LoadPool(array, self.full_chunk_size_bytes)
+            except ValueError as exc:
+                log.warning("kvtier remote plug-in: loads copy once more (%s)", exc)
+                self.shared_bytes = 0
+                return None
+            log.info(
+                "kvtier remote plug-in: loads land in %d chunk slots shared with the daemon",
+                self.load_pool.slots,
+            )
+            return self.load_pool
+
     def _allocate(self, n: int) -> list[MemoryObj]:
-        objs: list[MemoryObj] = []
-        for _ in range(n):
+        """Memory objects for ``n`` loads: from the shared pool first (no copy on this
+        side), then from LMCache's allocator."""
+        pool = self._shared_pool()
+        objs = pool.take(n, self.meta_shapes, self.meta_dtypes, self.meta_fmt) if pool else []
+        for _ in range(n - len(objs)):
             obj = self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
             if obj is None:
                 log.debug("kvtier remote plug-in: no local CPU memory for a load; a miss")

@@ -13,12 +13,15 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.units import GiB, parse_size
 
 from .link import DaemonSettings
 
 REMOTE_PREFIX = "remote_storage_plugin"
 STORAGE_PREFIX = "storage_plugin"
 DEFAULT_NAME = "kvtier"
+# Shared memory the remote plug-in's loads land in (see .pool): 32 chunks of Llama-3-8B.
+DEFAULT_SHARED_BYTES = 1 * GiB
 
 
 def plugin_name(
@@ -56,6 +59,23 @@ def daemon_settings(extra: Mapping[str, Any] | None, where: str) -> DaemonSettin
         return DaemonSettings(url, str(token) if token else None, timeout_s)
     except ConfigError as exc:
         raise ConfigError(f"{where}.{exc.key}", exc.value, exc.allowed) from None
+
+
+def shared_bytes(extra: Mapping[str, Any] | None, where: str) -> int:
+    """``shared_bytes`` under ``where``: the size of the load pool shared with a daemon on
+    this host (``0`` turns it off; default :data:`DEFAULT_SHARED_BYTES`).
+
+    Raises:
+        ConfigError: not a size, or negative.
+    """
+    raw = (extra or {}).get(f"{where}.shared_bytes", DEFAULT_SHARED_BYTES)
+    try:
+        n = parse_size(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}.shared_bytes", raw, "a size such as 1GiB, or 0") from exc
+    if n < 0:
+        raise ConfigError(f"{where}.shared_bytes", raw, "a size >= 0")
+    return n
 
 
 def params_settings(params: Mapping[str, Any]) -> DaemonSettings:

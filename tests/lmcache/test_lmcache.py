@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("lmcache", reason="LMCache is not installed (pip install 'kvtier[lmcache]')")
@@ -24,9 +25,12 @@ pytest.importorskip("lmcache", reason="LMCache is not installed (pip install 'kv
 import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.distributed.api import ObjectKey
+from lmcache.v1.memory_management import MemoryFormat
 
 from kvtier.connectors.lmcache.keys import engine_key, object_key
-from kvtier.connectors.lmcache.settings import daemon_settings, params_settings
+from kvtier.connectors.lmcache.pool import LoadPool
+from kvtier.connectors.lmcache.remote import KVTierRemoteConnector
+from kvtier.connectors.lmcache.settings import daemon_settings, params_settings, shared_bytes
 from kvtier.errors import ConfigError
 from tests.connectors.lmcache_engine import (
     CHUNK,
@@ -34,6 +38,7 @@ from tests.connectors.lmcache_engine import (
     PLUGIN,
     REMOTE,
     TOKEN_BYTES,
+    Engine,
     engine,
     nvme_daemon,
     nvme_toml,
@@ -105,6 +110,12 @@ def test_settings_fail_with_the_key_named() -> None:
         daemon_settings({"p.url": "http://x", "p.timeout_s": "soon"}, "p")
     with pytest.raises(ConfigError, match="adapter_params"):
         params_settings({"url": "http://x", "host": "y"})
+    with pytest.raises(ConfigError, match=r"p\.shared_bytes"):
+        shared_bytes({"p.shared_bytes": "lots"}, "p")
+    with pytest.raises(ConfigError, match=r"p\.shared_bytes"):
+        shared_bytes({"p.shared_bytes": -1}, "p")
+    assert shared_bytes({"p.shared_bytes": "64MiB"}, "p") == 64 << 20
+    assert shared_bytes({}, "p") == 1 << 30
     s = daemon_settings({"p.url": "http://127.0.0.1:1", "p.token": "t"}, "p")
     assert (s.url, s.token) == ("http://127.0.0.1:1", "t")
 
@@ -227,6 +238,109 @@ def test_remote_refusing_daemon_drops_stores_with_a_reason(
         assert any("max_value_bytes" in r.getMessage() for r in caplog.records), caplog.text
         n, out = e.retrieve(tokens)  # the local CPU copy still serves
         assert n == FULL and _equal(out, kv, n)
+
+
+def _connector(e: Engine) -> KVTierRemoteConnector:
+    """The plug-in object under LMCache's instrumented wrapper."""
+    c = e.backend(REMOTE).connection
+    c = getattr(c, "_connector", c)
+    assert isinstance(c, KVTierRemoteConnector)
+    return c
+
+
+def _pool_of(c: KVTierRemoteConnector, timeout_s: float = 10.0) -> LoadPool:
+    """The connector's load pool, made off LMCache's threads at start."""
+    deadline = time.monotonic() + timeout_s
+    while c.load_pool is None:
+        assert time.monotonic() < deadline, "the remote plug-in made no load pool"
+        time.sleep(0.02)
+    return c.load_pool
+
+
+def test_remote_loads_land_in_the_shared_pool_then_in_lmcache_memory(
+    tmp_path: Path, daemons: list[Daemon]
+) -> None:
+    """A pool of two chunks: a four-chunk load takes both slots (no copy on this side)
+    and two LMCache objects; LMCache's write-back holds the slots until it drops its
+    copies. A daemon restarted under the engine gets a new pool, and bytes stay equal."""
+    d = nvme_daemon(tmp_path / "daemon")
+    daemons.append(d)
+    cfg = remote_config(d.url)
+    cfg["extra_config"]["remote_storage_plugin.kvtier.shared_bytes"] = 2 * CHUNK * TOKEN_BYTES
+    tokens, kv = prompt(6, N_TOKENS)
+    with engine(cfg) as e:
+        c = _connector(e)
+        pool = _pool_of(c)
+        assert pool.slots == 2
+        e.store(tokens, kv)
+        assert e.wait_stored(tokens, REMOTE) == FULL
+        e.drop_local()
+        n, out = e.retrieve(tokens)
+        assert n == FULL and _equal(out, kv, n)
+        assert pool.taken_total == 2
+        assert pool.in_use == 2  # LMCache keeps the loaded chunks in its CPU cache
+        e.drop_local()
+        assert pool.in_use == 0
+
+        # The daemon restarts: its new channel does not map the old pool, so the next
+        # load makes another one.
+        assert d.stop() in (0, -15)
+        daemons.append(nvme_daemon(tmp_path / "daemon", port=int(d.url.rsplit(":", 1)[1])))
+        deadline = time.monotonic() + 30
+        while True:
+            n, out = e.retrieve(tokens)
+            if n == FULL:
+                break
+            assert n == 0 and time.monotonic() < deadline, "the remote plug-in never came back"
+            time.sleep(0.2)
+            e.drop_local()
+        assert _equal(out, kv, n)
+        # Loads over HTTP (into either memory) while the client holds off its same-host
+        # channel, then a new channel and a new pool.
+        while c.load_pool is None or c.load_pool is pool:
+            assert time.monotonic() < deadline, "the remote plug-in made no new pool"
+            time.sleep(0.2)
+            e.drop_local()
+            n, out = e.retrieve(tokens)
+            assert n == FULL and _equal(out, kv, n)
+        e.drop_local()
+        n, out = e.retrieve(tokens)
+        assert n == FULL and _equal(out, kv, n)
+        assert c.load_pool.in_use == 2  # this load, into the new pool
+
+
+def test_remote_without_a_pool_copies_and_serves(tmp_path: Path, daemons: list[Daemon]) -> None:
+    d = start_daemon(tmp_path)
+    daemons.append(d)
+    cfg = remote_config(d.url)
+    cfg["extra_config"]["remote_storage_plugin.kvtier.shared_bytes"] = 0
+    tokens, kv = prompt(7, N_TOKENS)
+    with engine(cfg) as e:
+        e.store(tokens, kv)
+        assert e.wait_stored(tokens, REMOTE) == FULL
+        e.drop_local()
+        n, out = e.retrieve(tokens)
+        assert n == FULL and _equal(out, kv, n)
+        assert _connector(e).load_pool is None
+
+
+def test_load_pool_hands_out_runs_and_frees_once() -> None:
+    chunk = 64
+    pool = LoadPool(np.zeros(4 * chunk + 10, dtype=np.uint8), chunk)
+    shape, dtype = [torch.Size([2, 32])], [torch.uint8]
+    a = pool.take(3, shape, dtype, MemoryFormat.KV_2LTD)
+    assert [o.meta.address for o in a] == [0, chunk, 2 * chunk]
+    assert pool.batched_allocate(shape, dtype, 2) is None  # all or none
+    assert pool.in_use == 3
+    a[1].ref_count_down()  # LMCache's release path
+    a[1].ref_count_down()  # a second release finds it freed (LMCache warns, nothing breaks)
+    assert pool.in_use == 2
+    b = pool.take(3, shape, dtype, MemoryFormat.KV_2LTD)  # the freed slot, then the last
+    assert [o.meta.address for o in b] == [chunk, 3 * chunk]
+    b[0].tensor.fill_(7)
+    assert bytes(b[0].byte_array) == b"\x07" * chunk
+    with pytest.raises(ValueError, match="holds no chunk"):
+        LoadPool(np.zeros(chunk - 1, dtype=np.uint8), chunk)
 
 
 # -- the embedded storage plug-in --------------------------------------------------------------
