@@ -8,13 +8,16 @@ bytes for every backend, all engines open at once in one process:
 
 * ``kvtier-remote``: ``KVTierRemoteConnector`` to a ``kvtier serve`` daemon whose one
   tier is nvme (``durability = "none"``, buffered I/O);
+* ``kvtier-remote-copy``: ``kvtier-remote`` with its load pool off (``shared_bytes = 0``,
+  a daemon of its own): loads land in LMCache's memory through one more copy, the path
+  before the pool, as a baseline in the same run;
 * ``kvtier-remote-host``: the same connector to a daemon whose one tier is host memory;
 * ``kvtier-embedded``: ``KVTierStoragePlugin`` with the same nvme tier in-process;
 * ``lmcache-localdisk``: LMCache's ``LocalDiskBackend`` (``local_disk: file://``);
 * ``lmcache-fs``: LMCache's ``fs`` remote connector (one file per chunk);
 * ``lmcache-redis``: LMCache's ``redis`` remote connector on a real ``redis-server``.
 
-Durability classes: ``kvtier-remote``, ``kvtier-embedded``, ``lmcache-localdisk`` and
+Durability classes: ``kvtier-remote`` (and ``-copy``), ``kvtier-embedded``, ``lmcache-localdisk`` and
 ``lmcache-fs`` keep chunks in files written through the OS page cache without fsync;
 ``kvtier-remote-host`` and ``lmcache-redis`` keep them in memory. Each kvtier row is
 compared with the best LMCache row of its class. Per backend: store throughput
@@ -368,10 +371,13 @@ def main(argv: list[str]) -> int:
     (tmp / "daemon" / "kvtier.toml").write_text(_nvme_toml(tmp / "daemon", capacity))
     (tmp / "embedded").mkdir()
     (tmp / "embedded" / "kvtier.toml").write_text(_nvme_toml(tmp / "embedded", capacity))
+    (tmp / "daemon-copy").mkdir()
+    (tmp / "daemon-copy" / "kvtier.toml").write_text(_nvme_toml(tmp / "daemon-copy", capacity))
     (tmp / "daemon-host").mkdir()
     (tmp / "daemon-host" / "kvtier.toml").write_text(_host_toml(capacity))
-    port, host_port = _free_port(), _free_port()
+    port, host_port, copy_port = _free_port(), _free_port(), _free_port()
     state: dict[str, Any] = {"daemon": _serve(tmp / "daemon", port)}
+    state["daemon-copy"] = _serve(tmp / "daemon-copy", copy_port)
     state["daemon-host"] = _serve(tmp / "daemon-host", host_port)
     redis = RedisServer(tmp / "redis").start()
     state["redis"] = redis
@@ -379,6 +385,10 @@ def main(argv: list[str]) -> int:
     def restart_daemon() -> None:
         state["daemon"].stop()
         state["daemon"] = _serve(tmp / "daemon", port)
+
+    def restart_copy_daemon() -> None:
+        state["daemon-copy"].stop()
+        state["daemon-copy"] = _serve(tmp / "daemon-copy", copy_port)
 
     def restart_host_daemon() -> None:
         state["daemon-host"].stop()
@@ -393,7 +403,7 @@ def main(argv: list[str]) -> int:
     def nothing() -> None:
         return None
 
-    def remote(daemon: str) -> dict[str, Any]:
+    def remote(daemon: str, **extra: Any) -> dict[str, Any]:
         return {
             "remote_storage_plugins": ["kvtier"],
             "extra_config": {
@@ -401,6 +411,7 @@ def main(argv: list[str]) -> int:
                 "remote_storage_plugin.kvtier.class_name": "KVTierRemoteConnector",
                 "remote_storage_plugin.kvtier.url": state[daemon].url,
                 "remote_storage_plugin.kvtier.timeout_s": 60.0,
+                **{f"remote_storage_plugin.kvtier.{k}": v for k, v in extra.items()},
             },
         }
 
@@ -412,6 +423,13 @@ def main(argv: list[str]) -> int:
             lambda: remote("daemon"),
             "RemoteBackend-kvtier",
             restart_daemon,
+        ),
+        _Backend(
+            "kvtier-remote-copy",
+            "files, no fsync",
+            lambda: remote("daemon-copy", shared_bytes=0),
+            "RemoteBackend-kvtier",
+            restart_copy_daemon,
         ),
         _Backend(
             "kvtier-remote-host",
@@ -488,6 +506,7 @@ def main(argv: list[str]) -> int:
             if "_engine" in r:
                 engines.close(r.pop("_engine")[0])
         state["daemon"].stop()
+        state["daemon-copy"].stop()
         state["daemon-host"].stop()
         state["redis"].stop()
     ratios: dict[str, dict[str, float]] = {}
@@ -504,6 +523,14 @@ def main(argv: list[str]) -> int:
                 ratios[f"{ours}_retrieve_vs_{best['backend']}"] = _round_ratios(
                     rows, ours, best["backend"]
                 )
+    if "lmcache-fs" in names:  # the file backend that, like kvtier's, keeps chunks at restart
+        for ours in ("kvtier-remote", "kvtier-embedded"):
+            if ours in names and best["backend"] != "lmcache-fs":
+                ratios[f"{ours}_retrieve_vs_lmcache-fs"] = _round_ratios(rows, ours, "lmcache-fs")
+    if {"kvtier-remote", "kvtier-remote-copy"} <= names:  # what the load pool saves
+        ratios["kvtier-remote_retrieve_vs_kvtier-remote-copy"] = _round_ratios(
+            rows, "kvtier-remote", "kvtier-remote-copy"
+        )
     if "lmcache-redis" in names:  # the memory class: LMCache's redis connector
         for ours in ("kvtier-remote-host", "kvtier-remote"):
             if ours in names:
