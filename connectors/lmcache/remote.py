@@ -100,8 +100,9 @@ class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache i
         self.load_pool: LoadPool | None = None
         self._load_pool_lock = threading.Lock()
         self._load_pool_retry_at = 0.0
-        # Made now, off LMCache's threads: the first load need not wait for the region.
-        self._pool.submit(self._shared_pool)
+        # Made now (its memory is faulted in once), so neither the first load nor a
+        # store pays for it; a daemon that is not up yet gets one at a later load.
+        self._shared_pool()
         log.info(
             "kvtier remote plug-in %r: daemon %s, chunk %d B",
             name,
