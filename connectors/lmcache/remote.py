@@ -270,6 +270,11 @@ class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache i
     async def close(self) -> None:
         self._pool.shutdown(wait=True)
         self.link.close()
+        # The pool's memory goes with the last object LMCache still holds, not with
+        # this connector (LMCache may keep a closed connector referenced).
+        with self._load_pool_lock:
+            self.load_pool = None
+            self.shared_bytes = 0
 
     @override
     def __repr__(self) -> str:

@@ -9,11 +9,13 @@ restart-stable the documented way (``pre_caching_hash_algorithm: sha256_cbor`` a
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -322,6 +324,23 @@ def test_remote_without_a_pool_copies_and_serves(tmp_path: Path, daemons: list[D
         n, out = e.retrieve(tokens)
         assert n == FULL and _equal(out, kv, n)
         assert _connector(e).load_pool is None
+
+
+def test_remote_pool_memory_is_released_when_lmcache_closes(
+    tmp_path: Path, daemons: list[Daemon]
+) -> None:
+    d = start_daemon(tmp_path)
+    daemons.append(d)
+    tokens, kv = prompt(8, N_TOKENS)
+    with engine(remote_config(d.url)) as e:
+        e.store(tokens, kv)
+        assert e.wait_stored(tokens, REMOTE) == FULL
+        e.drop_local()
+        n, out = e.retrieve(tokens)
+        assert n == FULL and _equal(out, kv, n)
+        memory = weakref.ref(_pool_of(_connector(e)).array.base)  # the mapping's owner
+    gc.collect()
+    assert memory() is None, "the load pool's memory outlived the engine"
 
 
 def test_load_pool_hands_out_runs_and_frees_once() -> None:
