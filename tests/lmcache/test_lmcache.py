@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ import pytest
 pytest.importorskip("lmcache", reason="LMCache is not installed (pip install 'kvtier[lmcache]')")
 
 import torch
+import yaml
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.memory_management import MemoryFormat
@@ -120,6 +122,25 @@ def test_settings_fail_with_the_key_named() -> None:
     assert shared_bytes({}, "p") == 1 << 30
     s = daemon_settings({"p.url": "http://127.0.0.1:1", "p.token": "t"}, "p")
     assert (s.url, s.token) == ("http://127.0.0.1:1", "t")
+
+
+def test_docs_config_blocks_are_read_as_documented() -> None:
+    """docs/lmcache.md's YAML blocks: LMCache takes them, and kvtier reads its keys out of
+    them with the documented values (the remote block's defaults included)."""
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    text = (Path(__file__).parents[2] / "docs" / "lmcache.md").read_text()
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, re.S)]
+    remote = next(b for b in blocks if "remote_storage_plugins" in b)
+    embedded = next(b for b in blocks if "storage_plugins" in b)
+    for block in (remote, embedded):
+        LMCacheEngineConfig.from_dict(block)
+    where = "remote_storage_plugin.kvtier"
+    s = daemon_settings(remote["extra_config"], where)
+    assert (s.url, s.timeout_s) == ("http://127.0.0.1:8470", 5.0)
+    assert shared_bytes(remote["extra_config"], where) == 1 << 30
+    assert remote["extra_config"][f"{where}.class_name"] == KVTierRemoteConnector.__name__
+    assert embedded["extra_config"]["storage_plugin.kvtier.class_name"] == "KVTierStoragePlugin"
 
 
 # -- the remote plug-in ------------------------------------------------------------------------
