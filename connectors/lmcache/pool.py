@@ -87,7 +87,8 @@ class LoadPool(MemoryAllocatorInterface):  # type: ignore[misc]  # LMCache is un
         self.array = array
         self._buffer = torch.from_numpy(array[: self.slots * chunk_bytes])
         self._free = bytearray([_FREE]) * self.slots
-        self._lock = threading.Lock()
+        # Reentrant: a collection inside take() may run an object's __del__, which frees.
+        self._lock = threading.RLock()
         self.taken_total = 0  # objects handed out since the pool was made
 
     @property
