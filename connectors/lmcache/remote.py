@@ -23,8 +23,8 @@ from a daemon on this host, into memory objects of a pool shared with it (:mod:`
 HTTP, from the socket into the objects LMCache allocates.
 
 Contracts kept (read from LMCache 0.5.6): ``put`` never calls ``ref_count_down()`` (the
-instrumented wrapper does); ``get`` allocates through ``local_cpu_backend.allocate``
-and frees the object again on a miss; no method raises: a daemon that is down or
+instrumented wrapper does); ``get`` takes its objects from the load pool or through
+``local_cpu_backend.allocate``, and frees them again on a miss; no method raises: a daemon that is down or
 refuses is a miss or a dropped store, logged (see :mod:`.link`). Capacity and eviction
 are the daemon's: a store that does not fit is rejected by the daemon's placement,
 never an error here.
@@ -96,7 +96,7 @@ class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache i
         self.local_cpu_backend = local_cpu_backend
         self.link = DaemonLink(self.settings, pool=IO_THREADS)
         self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvtier-lmcache")
-        # Loads land here when the daemon shares this host (see .pool); made on first use.
+        # Loads land here when the daemon shares this host (see .pool).
         self.load_pool: LoadPool | None = None
         self._load_pool_lock = threading.Lock()
         self._load_pool_retry_at = 0.0
