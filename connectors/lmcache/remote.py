@@ -25,9 +25,9 @@ HTTP, from the socket into the objects LMCache allocates.
 Contracts kept (read from LMCache 0.5.6): ``put`` never calls ``ref_count_down()`` (the
 instrumented wrapper does); ``get`` takes its objects from the load pool or through
 ``local_cpu_backend.allocate``, and frees them again on a miss; no method raises: a
-daemon that is down or refuses is a miss or a dropped store, logged (see :mod:`.link`). Capacity and eviction
-are the daemon's: a store that does not fit is rejected by the daemon's placement,
-never an error here.
+daemon that is down or refuses is a miss or a dropped store, logged (see :mod:`.link`).
+Capacity and eviction are the daemon's: a store that does not fit is rejected by the
+daemon's placement, never an error here.
 """
 
 from __future__ import annotations
