@@ -176,8 +176,8 @@ def _hello(s: socket.socket, token: str) -> None:
     assert json.loads(body)["max_batch_keys"] >= 1
 
 
-def _memfd(n: int, *, seal: bool = True) -> int:
-    fd = os.memfd_create("t", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+def _memfd(n: int, *, seal: bool = True, name: str = "t") -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, n)
     if seal:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
@@ -253,6 +253,87 @@ def test_hostile_frames_are_refused_and_the_daemon_keeps_serving(
         assert c.get(key) == b"\0" * 64
         assert c._shm is not None
     assert _metric(d, 'kvtier_same_host_requests_total{op="lookup",status="bad_request"', "alice")
+
+
+def _mappings_of(pid: int, memfd_name: str) -> tuple[int, int]:
+    """Process ``pid``'s mappings of memfd ``memfd_name``: how many, and how many of their
+    bytes its page tables map (the ``Rss`` of those areas in /proc/PID/smaps)."""
+    areas = total = 0
+    inside = False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        first = line.split(" ", 1)[0]
+        if "-" in first and all(c in "0123456789abcdef-" for c in first):  # an area's head
+            inside = f"/memfd:{memfd_name} " in line
+            areas += inside
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return areas, total
+
+
+def _mapped_bytes(pid: int, memfd_name: str) -> int:
+    return _mappings_of(pid, memfd_name)[1]
+
+
+def test_a_whole_region_is_mapped_populated_and_a_sparse_one_allocates_nothing(
+    tenant_daemon: Daemon,
+) -> None:
+    # Populated: a store's first write into a lazily mapped page faults inside a request.
+    # Not populated where the client left holes: the daemon must not allocate them.
+    d = tenant_daemon
+    s = _raw(_socket_of(d, "alice"))
+    _hello(s, TOKENS["alice"])
+    n = 8 * MiB
+    whole = _memfd(n, name="kvtier-test-whole")
+    os.posix_fallocate(whole, 0, n)  # the client's memory all there, as Client makes it
+    sparse = _memfd(n, name="kvtier-test-sparse")
+    assert _ask(s, w.request(w.Op.MAP, region=1, length=n), [whole])[0] == w.Status.OK
+    assert _ask(s, w.request(w.Op.MAP, region=2, length=n), [sparse])[0] == w.Status.OK
+    assert _mapped_bytes(d.proc.pid, "kvtier-test-whole") >= n
+    assert _mapped_bytes(d.proc.pid, "kvtier-test-sparse") == 0
+    assert os.fstat(sparse).st_blocks == 0
+    # Both serve: a put from each region, a get into the other.
+    ka, kb = os.urandom(16), os.urandom(16)
+    for region, key in ((1, ka), (2, kb)):
+        status, _ = _ask(s, w.request(w.Op.PUT, region=region, count=1, length=4096) + key)
+        assert status == w.Status.OK
+    status, _ = _ask(s, w.request(w.Op.GET, region=2, count=1, offset=4096, length=4096) + ka)
+    assert status == w.Status.OK
+    for fd in (whole, sparse):
+        os.close(fd)
+    s.close()
+
+
+def test_connections_handing_over_one_memfd_share_one_mapping(tenant_daemon: Daemon) -> None:
+    # A client pools connections, each mapping the regions it uses: one mapping (one
+    # populate, one set of page tables) serves them all, and goes with the last of them.
+    d = tenant_daemon
+    path = _socket_of(d, "alice")
+    n = 4 * MiB
+    fd = _memfd(n, name="kvtier-test-shared")
+    os.posix_fallocate(fd, 0, n)
+    conns = [_raw(path) for _ in range(3)]
+    for s in conns:
+        _hello(s, TOKENS["alice"])
+        assert _ask(s, w.request(w.Op.MAP, region=5, length=n), [fd])[0] == w.Status.OK
+    assert _mappings_of(d.proc.pid, "kvtier-test-shared") == (1, n)
+    # Each connection still names it by its own region id, and reads what another wrote.
+    key = os.urandom(16)
+    put = w.request(w.Op.PUT, region=5, count=1, offset=0, length=4096) + key
+    assert _ask(conns[0], put)[0] == w.Status.OK
+    get = w.request(w.Op.GET, region=5, count=1, offset=8192, length=4096) + key
+    assert _ask(conns[2], get)[0] == w.Status.OK
+    # UNMAP on one and a closed connection leave the others' mapping; the last one ends it.
+    assert _ask(conns[0], w.request(w.Op.UNMAP, region=5))[0] == w.Status.OK
+    conns[1].close()
+    assert _ask(conns[2], get)[0] == w.Status.OK
+    assert _mappings_of(d.proc.pid, "kvtier-test-shared")[0] == 1
+    conns[2].close()
+    deadline = time.monotonic() + 10
+    while _mappings_of(d.proc.pid, "kvtier-test-shared")[0] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _mappings_of(d.proc.pid, "kvtier-test-shared")[0] == 0
+    conns[0].close()
+    os.close(fd)
 
 
 def test_a_client_killed_mid_request_leaves_the_daemon_serving(
