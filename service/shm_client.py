@@ -244,6 +244,11 @@ class SameHost:
         region = Region(next(self._ids), max(nbytes, 1))
         with self._lock:
             self._shared.append(region)
+        # Handed to the daemon now, so that its mapping (populated once, shared by this
+        # channel's connections) is made here and not inside the first request that uses
+        # the buffer. A failure here is not one: the first request maps it again.
+        with contextlib.suppress(TransportError, InputError), self._link() as link:
+            link.map(region)
         return region.array[:nbytes]
 
     def holds(self, view: memoryview) -> bool:
