@@ -336,6 +336,22 @@ def test_connections_handing_over_one_memfd_share_one_mapping(tenant_daemon: Dae
     os.close(fd)
 
 
+def test_a_shared_buffer_is_mapped_by_the_daemon_when_it_is_made(tenant_daemon: Daemon) -> None:
+    # Not inside the first request that uses it: that request would pay the populate.
+    d = tenant_daemon
+    with Client(d.url, TOKENS["alice"]) as c:
+        assert c.lookup([os.urandom(16)]).hits == 0  # the channel is up
+        areas, rss = _mappings_of(d.proc.pid, "kvtier-shm")
+        buf = c.shared_buffer(8 * MiB)
+        assert _mappings_of(d.proc.pid, "kvtier-shm") == (areas + 1, rss + 8 * MiB)
+        key = os.urandom(16)
+        buf[:4096] = 7
+        c.put(key, buf[:4096].data)
+        assert c.get_into([key], buf[4096:8192]).nbytes == 4096
+        assert (buf[4096:8192] == 7).all()
+        assert _mappings_of(d.proc.pid, "kvtier-shm")[0] == areas + 1  # no second mapping
+
+
 def test_a_client_killed_mid_request_leaves_the_daemon_serving(
     tenant_daemon: Daemon, tmp_path: Path
 ) -> None:
