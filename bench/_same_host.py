@@ -8,7 +8,9 @@ that one copy costs without a daemon: ``numpy.copyto`` of the same values betwee
 buffers of this process, on as many threads, in the same run, rounds interleaved.
 
 Rows: ``{op: same_host_get | same_host_put, value_bytes, batch, concurrency, kvtier_GBps,
-memcpy_GBps, ratio_memcpy, p50_ms, p99_ms, memcpy_p50_ms, memcpy_p99_ms}`` (medians over repeats).
+memcpy_GBps, ratio_memcpy, p50_ms, p99_ms, memcpy_p50_ms, memcpy_p99_ms}`` (medians over repeats),
+plus the size's ``first_get_new_buffer_ms`` / ``next_get_same_buffer_ms``: a get into a
+shared buffer just made, against the next get into it.
 """
 
 from __future__ import annotations
@@ -93,6 +95,12 @@ def rows_for_size(
             c.lookup(probe)
             lat.append(time.perf_counter() - t0)
         lookup_us = round(statistics.median(lat[50:]) * 1e6, 1)
+        first_ms, next_ms = _first_use(c, keys[:batch], step)
+        print(
+            f"same-host {size // MiB} MiB x {batch}: a get into a buffer just made "
+            f"{first_ms} ms, the next get into it {next_ms} ms",
+            flush=True,
+        )
         # The baseline's destination: a ring larger than the caches, like the tier's arena.
         ring = np.ones((max(4, 64 * MiB // step), step), dtype=np.uint8)
         # Destinations made and faulted in before any timing, one per thread of the widest
@@ -160,6 +168,8 @@ def rows_for_size(
                         "concurrency": conc,
                         **versus(k_runs, m_runs, "memcpy", ratio_key="ratio_memcpy"),
                         "lookup_round_trip_us": lookup_us,
+                        "first_get_new_buffer_ms": first_ms,
+                        "next_get_same_buffer_ms": next_ms,
                         "ops_per_run": n_ops,
                         "repeats": repeats,
                     }
@@ -168,6 +178,22 @@ def rows_for_size(
         c.close()
         stop_process(proc)
     return rows
+
+
+def _first_use(c: Any, keys: list[bytes], nbytes: int, n: int = 3) -> tuple[float, float]:
+    """Median ms of the first get into a shared buffer just made, and of the next get
+    into the same buffer, over ``n`` new buffers: what a client's first use of new
+    shared memory pays beyond a warm one (the daemon's mapping of it, page faults)."""
+    first, nxt = [], []
+    for _ in range(n):
+        buf = c.shared_buffer(nbytes)
+        for out in (first, nxt):
+            t0 = time.perf_counter()
+            got = c.get_into(keys, buf)
+            out.append(time.perf_counter() - t0)
+            if got.nbytes != nbytes:
+                raise RuntimeError("same-host get missed")
+    return round(statistics.median(first) * 1e3, 3), round(statistics.median(nxt) * 1e3, 3)
 
 
 def line(r: dict[str, Any]) -> str:
