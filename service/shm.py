@@ -174,10 +174,6 @@ class _Mappings:
         except BufferError:  # a slice is still held: the GC unmaps it later
             log.debug("same-host mapping still exported at close; left to the GC")
 
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._maps)
-
 
 class _Metrics:
     """Requests and bytes of the channel, by op and status. Thread-safe."""
