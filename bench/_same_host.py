@@ -184,7 +184,8 @@ def _first_use(c: Any, keys: list[bytes], nbytes: int, n: int = 3) -> tuple[floa
     """Median ms of the first get into a shared buffer just made, and of the next get
     into the same buffer, over ``n`` new buffers: what a client's first use of new
     shared memory pays beyond a warm one (the daemon's mapping of it, page faults)."""
-    first, nxt = [], []
+    first: list[float] = []
+    nxt: list[float] = []
     for _ in range(n):
         buf = c.shared_buffer(nbytes)
         for out in (first, nxt):
