@@ -31,7 +31,6 @@ plus the size of one mapping (``socket_max_region_bytes``) and :data:`MAX_CONNEC
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import json
@@ -51,6 +50,7 @@ from pathlib import Path
 from kvtier.errors import ClosedError, InputError, KVTierError
 from kvtier.files import make_private_dirs
 from kvtier.keys import ChunkKey
+from kvtier.tiers.memory import populate
 
 from . import shm_wire as w
 from .daemon import Daemon
@@ -90,25 +90,6 @@ def socket_path(setting: str) -> tuple[Path, Path | None] | None:
     path = Path(setting).expanduser()
     make_private_dirs(path.parent)
     return path, None
-
-
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
-
-
-def _populate(mm: mmap.mmap) -> None:
-    """Fault every page of ``mm`` in for writing, without holding the GIL: ctypes lets
-    it go around the call, where ``mmap.mmap(..., MAP_POPULATE)`` holds it (a 1 GiB
-    populate stalled every thread of the daemon, its event loop too, for 140 ms). A
-    kernel without the advice (before 5.14) refuses it and the mapping stays lazy."""
-    anchor = ctypes.c_char.from_buffer(mm)  # an export of ``mm``, gone with ``anchor``
-    try:
-        if _libc.madvise(ctypes.addressof(anchor), len(mm), _MADV_POPULATE_WRITE) != 0:
-            log.debug("same-host mapping left lazy: madvise errno %d", ctypes.get_errno())
-    finally:
-        del anchor
 
 
 @dataclass
@@ -171,7 +152,7 @@ class _Mappings:
         # does): mapping never makes the daemon allocate the holes of a sparse memfd.
         # Outside the lock: populating 1 GiB takes 0.1-0.3 s on the VM.
         if st.st_blocks * 512 >= st.st_size:
-            _populate(mm)
+            populate(mm)
         with self._lock:
             m = self._maps.get(key)
             if m is None:

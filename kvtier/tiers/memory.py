@@ -29,6 +29,25 @@ log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _counter = itertools.count()
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+
+
+def populate(mm: mmap.mmap) -> bool:
+    """Fault every page of ``mm`` in for writing, without holding the GIL: ctypes lets
+    it go around the call, where ``mmap.mmap(..., MAP_POPULATE)`` and ``mm.madvise``
+    hold it (a 1 GiB populate stalled every thread of the daemon, its event loop too,
+    for 140 ms). False where the kernel refuses the advice (before 5.14): the pages
+    then fault in on first use."""
+    anchor = ctypes.c_char.from_buffer(mm)  # an export of ``mm``, gone with ``anchor``
+    try:
+        if _libc.madvise(ctypes.addressof(anchor), len(mm), _MADV_POPULATE_WRITE) == 0:
+            return True
+        log.debug("populate refused: madvise errno %d", ctypes.get_errno())
+        return False
+    finally:
+        del anchor
 
 
 def _pid_alive(pid: int) -> bool:
@@ -137,9 +156,7 @@ class SharedArena:
             self._pin(required=pin is Switch.ON)
 
     def _prefault(self) -> None:
-        try:
-            self._mm.madvise(_MADV_POPULATE_WRITE)
-        except OSError:
+        if not populate(self._mm):
             self.array[::4096] = 0  # one write per page faults it in
 
     def _pin(self, *, required: bool) -> None:
