@@ -132,3 +132,22 @@ def test_arenas_of_killed_processes_are_swept(tmp_path: Path) -> None:
     mine.write_bytes(b"y")
     assert sweep_stale_arenas(tmp_path) == 1
     assert not stale.exists() and mine.exists()
+
+
+def test_a_prefaulted_arena_is_resident_from_the_start() -> None:
+    # prefault = true: every page of the arena's file is allocated before the first write
+    # (the populate goes through kvtier.tiers.memory.populate, as the daemon's mappings do).
+    import os
+
+    from kvtier.enums import Switch
+    from kvtier.tiers.memory import SharedArena
+
+    n = 4 << 20
+    lazy = SharedArena(n, "lazy", pin=Switch.OFF)
+    eager = SharedArena(n, "eager", pin=Switch.OFF, prefault=True)
+    try:
+        assert os.stat(lazy.path).st_blocks * 512 == 0
+        assert os.stat(eager.path).st_blocks * 512 >= n
+    finally:
+        lazy.close()
+        eager.close()
