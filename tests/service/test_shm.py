@@ -23,6 +23,7 @@ import pytest
 from kvtier.errors import AuthError, ConfigError, InputError
 from kvtier.service import shm_wire as w
 from kvtier.service.client import Client
+from kvtier.service.shm_client import Region
 
 from .conftest import TOKENS, Daemon, DaemonFactory, free_port, start_daemon
 
@@ -334,6 +335,19 @@ def test_connections_handing_over_one_memfd_share_one_mapping(tenant_daemon: Dae
     assert _mappings_of(d.proc.pid, "kvtier-test-shared")[0] == 0
     conns[0].close()
     os.close(fd)
+
+
+def test_a_client_region_is_all_allocated_and_resident_when_made() -> None:
+    # The daemon populates its mapping only of a memfd its client allocated whole; the
+    # client's own first writes must not fault either.
+    region = Region(1, 8 * MiB)
+    try:
+        assert os.fstat(region.fd).st_blocks * 512 >= 8 * MiB
+        areas, rss = _mappings_of(os.getpid(), "kvtier-shm")
+        assert areas >= 1 and rss >= 8 * MiB
+    finally:
+        region.close()
+        del region
 
 
 def test_a_shared_buffer_is_mapped_by_the_daemon_when_it_is_made(tenant_daemon: Daemon) -> None:
