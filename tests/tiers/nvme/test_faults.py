@@ -246,6 +246,8 @@ def test_slab_that_does_not_fit_is_a_config_error(small_fs: Path) -> None:
 
 
 def test_fault_counters_reach_tier_stats_and_metrics(make_store) -> None:
+    for extra in ("starlette", "fastapi"):  # the metrics text lives in the service extra
+        pytest.importorskip(extra, reason="needs the service extra: pip install 'kvtier[service]'")
     from kvtier.service.metrics import store_exposition
 
     engine = FaultyEngine(errno.EIO)

@@ -21,6 +21,8 @@ from kvtier.tiers.redis import Options, RedisTier, wire
 from tests.redis_servers import RedisClusterProcs, RedisServer
 
 pytestmark = pytest.mark.redis
+# The redis tier's extra; without it every test here is about a feature not installed.
+pytest.importorskip("redis", reason="the redis tier needs redis-py: pip install 'kvtier[redis]'")
 
 SLOT = 16 * 1024
 NS = Namespace("llama-3-8b", "fp0", 256, "tenant-a")
