@@ -32,6 +32,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures._base import FINISHED  # the state set_result leaves (since 3.2)
 from typing import Any, Generic, Protocol, TypeVar
 
 T = TypeVar("T")
@@ -193,17 +194,42 @@ class StealingExecutor:
             self._queue.close()
 
 
+_FINISHED_CONDITION = threading.Condition()
+
+
+class Finished(Future[T]):
+    """A future born finished, with its result or exception.
+
+    A :class:`~concurrent.futures.Future` makes a :class:`threading.Condition` (a Python
+    object, and a lock) in its constructor, and ``set_result`` notifies it: about 10 us
+    of the 2-core VM's time per operation, for a future nobody waits on, since it is
+    finished before anyone sees it. Born finished, it never waits or notifies, so it
+    shares one condition for the few lines ``Future``'s methods hold it; every method
+    still works (``result``, ``exception``, ``add_done_callback``, ``cancel`` (False),
+    ``asyncio.wrap_future``, ``concurrent.futures.wait``).
+    """
+
+    def __init__(self, result: T | None = None, exception: BaseException | None = None) -> None:
+        # Future.__init__'s fields, as set_result / set_exception leave them.
+        self._condition = _FINISHED_CONDITION
+        self._state = FINISHED
+        self._result = result
+        self._exception = exception
+        self._waiters: list[Any] = []
+        self._done_callbacks: list[Any] = []
+
+
 class InlineExecutor:
     """Runs each submitted call at once on the caller's thread (``io_threads=0``)."""
 
     def submit(
         self, fn: Callable[..., T], /, *args: object, on_done: Callback | None = None
     ) -> Future[T]:
-        fut: Future[T] = Future()
+        fut: Future[T]
         try:
-            fut.set_result(fn(*args))
+            fut = Finished(fn(*args))
         except BaseException as exc:  # the caller sees it through the future, as with a pool
-            fut.set_exception(exc)
+            fut = Finished(exception=exc)
         if on_done is not None:
             on_done(fut)
         return fut

@@ -43,7 +43,7 @@ import numpy.typing as npt
 
 from kvtier.errors import ClosedError, InputError, NotDurableError, TierError
 from kvtier.keys import ChunkKey, check_keys
-from kvtier.store.executor import INLINE, Executor, InlineExecutor, StealingExecutor
+from kvtier.store.executor import INLINE, Executor, Finished, InlineExecutor, StealingExecutor
 from kvtier.store.handles import HeldValue, Reservation
 from kvtier.store.index import Slot, StoreIndex
 from kvtier.store.mover import Listener, Mover, Values
@@ -185,9 +185,7 @@ class TieredStore:
         prefix = check_keys(prefix)
         values, value_bytes = _values_of(keys, data)
         if not keys:
-            fut: Future[PutResult] = Future()
-            fut.set_result(PutResult(0, 0, 0, 0))
-            return fut
+            return Finished(PutResult(0, 0, 0, 0))
         if not 0 < value_bytes <= self.slot_bytes:
             raise InputError(f"chunk of {value_bytes} B; the store takes 1..{self.slot_bytes} B")
         return self._submit(self._mover.put, keys, values, value_bytes, prefix, inline=inline)

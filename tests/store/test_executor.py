@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 import threading
-from concurrent.futures import CancelledError, Future, TimeoutError, wait
+from concurrent.futures import CancelledError, Future, InvalidStateError, TimeoutError, wait
 
 import pytest
 
@@ -218,3 +218,47 @@ def test_the_c_queue_rejects_a_bad_grace() -> None:
         WorkQueue(-1.0)
     with pytest.raises(TypeError):
         WorkQueue("soon")
+
+
+def test_the_inline_executors_finished_future_works_as_any_future() -> None:
+    # Born finished, sharing one condition: every Future method a caller may use.
+    import asyncio
+
+    from kvtier.store.executor import INLINE, Finished
+
+    seen: list[Future[int]] = []
+    ok = INLINE.submit(lambda x: x + 1, 41, on_done=seen.append)
+    assert isinstance(ok, Future) and isinstance(ok, Finished) and seen == [ok]
+    assert ok.done() and not ok.running() and not ok.cancelled() and not ok.cancel()
+    assert ok.result() == 42 and ok.result(timeout=0) == 42 and ok.exception() is None
+    calls: list[Future[int]] = []
+    ok.add_done_callback(calls.append)  # called at once, as for any finished future
+    assert calls == [ok]
+    with pytest.raises(InvalidStateError):  # finished, as after set_result
+        ok.set_result(0)
+
+    def boom() -> int:
+        raise ValueError("boom")
+
+    bad = INLINE.submit(boom)
+    assert isinstance(bad.exception(), ValueError)
+    with pytest.raises(ValueError, match="boom"):
+        bad.result()
+    done, pending = wait([ok, bad, Future()], timeout=0)
+    assert done == {ok, bad} and len(pending) == 1
+
+    async def awaited() -> int:
+        return await asyncio.wrap_future(ok)
+
+    assert asyncio.run(awaited()) == 42
+    # Futures from other threads at the same time: the shared condition never blocks.
+    out: list[int] = []
+    threads = [
+        threading.Thread(target=lambda: out.extend(INLINE.submit(int, "7").result() for _ in range(500)))
+        for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out == [7] * 2000
