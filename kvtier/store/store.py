@@ -139,7 +139,12 @@ class TieredStore:
             StealingExecutor(io_threads, "kvtier-io") if io_threads > 0 else InlineExecutor()
         )
         self._inflight = 0
-        self._idle = threading.Condition(threading.Lock())
+        # Operations count themselves under the condition's own lock, taken directly:
+        # ``with self._idle`` runs Condition.__enter__/__exit__ in Python, and a notify
+        # with nobody in drain() runs three more calls, on every operation.
+        self._idle_lock = threading.Lock()
+        self._idle = threading.Condition(self._idle_lock)
+        self._drainers = 0
         self._closed = False
         self._index.recover()
         # Tiers whose reads are plain memcpys (they give slot views): see get().
@@ -215,7 +220,7 @@ class TieredStore:
             raise InputError(f"chunk of {value_bytes} B; the store takes 1..{self.slot_bytes} B")
         if not self._index.claim_one(key):
             return None
-        with self._idle:  # counted like a queued operation: drain() and close() wait for it
+        with self._idle_lock:  # counted like a queued operation: drain() and close() wait for it
             self._inflight += 1
         try:
             for t, tier in enumerate(self.tiers):
@@ -322,7 +327,7 @@ class TieredStore:
             self._index.unhold(slots)
             return None
         # As an inline _submit, less the future (a Condition each) the caller never sees.
-        with self._idle:
+        with self._idle_lock:
             self._inflight += 1
         try:
             return self._mover.get(slots, view, [])
@@ -355,7 +360,7 @@ class TieredStore:
         if sl is None or view is None:
             self._index.unhold(slots)
             return None
-        with self._idle:  # counted like a queued operation: drain() and close() wait for it
+        with self._idle_lock:  # counted like a queued operation: drain() and close() wait for it
             self._inflight += 1
         return HeldValue(self, sl, view)
 
@@ -451,7 +456,11 @@ class TieredStore:
     def drain(self) -> None:
         """Wait until no operation is queued or running, background promotions included."""
         with self._idle:
-            self._idle.wait_for(lambda: self._inflight == 0)
+            self._drainers += 1
+            try:
+                self._idle.wait_for(lambda: self._inflight == 0)
+            finally:
+                self._drainers -= 1
 
     def flush(self) -> None:
         """Wait for queued work, then make persistent tiers durable.
@@ -534,7 +543,7 @@ class TieredStore:
     def _submit(self, fn: Callable[..., T], *args: object, inline: bool = False) -> Future[T]:
         """Run ``fn`` on an I/O thread (or, ``inline``, on this one), counted so
         :meth:`drain` can wait for it."""
-        with self._idle:
+        with self._idle_lock:
             self._inflight += 1
         try:
             return (INLINE if inline else self._pool).submit(fn, *args, on_done=self._done)
@@ -548,9 +557,9 @@ class TieredStore:
             self._submit(fn)
 
     def _done(self, _fut: object) -> None:
-        with self._idle:
+        with self._idle_lock:
             self._inflight -= 1
-            if self._inflight == 0:
+            if self._inflight == 0 and self._drainers:
                 self._idle.notify_all()
 
     def _check_open(self) -> None:

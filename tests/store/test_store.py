@@ -277,3 +277,41 @@ def test_inline_put_and_get_run_on_the_callers_thread(two_tier: TieredStore) -> 
     two_tier.close()
     with pytest.raises(ClosedError):
         two_tier.get(ks, out, inline=True)
+
+
+class GatedTier(HostTier):
+    """A host tier whose writes wait for a gate: an operation that stays in flight."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def _write(self, run: SlotRun, src: memoryview) -> None:
+        self.entered.set()
+        assert self.gate.wait(30)
+        super()._write(run, src)
+
+
+def test_drain_waits_for_work_in_flight_and_wakes_when_it_ends() -> None:
+    tier = GatedTier(
+        TierGeometry("gated", 8 * SLOT, SLOT, 1 << 20), Options(pin=Switch.OFF, prefault=False)
+    )
+    store = TieredStore([tier], io_threads=1)
+    try:
+        fut = store.put([key(1)], rand(SLOT))
+        fut.add_done_callback(lambda _: None)  # an I/O thread runs it; nobody waits
+        assert tier.entered.wait(30)
+        drained = threading.Event()
+        waiter = threading.Thread(target=lambda: (store.drain(), drained.set()))
+        waiter.start()
+        assert not drained.wait(0.2)  # the put is still in flight
+        store.get([key(2)], np.empty(SLOT, np.uint8)).result()  # others come and go meanwhile
+        assert not drained.is_set()
+        tier.gate.set()
+        assert drained.wait(30)  # woken when the last operation ended
+        waiter.join(30)
+        assert fut.result().stored == 1
+    finally:
+        tier.gate.set()
+        store.close()
