@@ -32,7 +32,9 @@ import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures._base import FINISHED  # the state set_result leaves (since 3.2)
+
+# The states Future.__init__, set_running_or_notify_cancel and set_result leave (since 3.2).
+from concurrent.futures._base import FINISHED, PENDING, RUNNING
 from typing import Any, Generic, Protocol, TypeVar
 
 T = TypeVar("T")
@@ -63,17 +65,45 @@ except ImportError:  # built without a C compiler: the thread-pool fallback belo
     _WorkQueue = None
 
 
+_LAZY = threading.Lock()
+"""Makes a task's condition, and orders that against a quiet change of its state."""
+
+
 class _Task(Future[T], Generic[T]):
-    """A future that carries its own work; the first thread to :meth:`run` it does it."""
+    """A future that carries its own work; the first thread to :meth:`run` it does it.
+
+    Its :class:`threading.Condition` (a Python object built per future, with a lock) is
+    made on first need: when a thread other than the one running the task waits for it,
+    cancels it or adds a callback. Until then nobody can be waiting, so the running
+    thread moves the state itself, under :data:`_LAZY`, without the condition or a
+    notify; a waiter that runs its own task (the common case) never makes one. That is
+    about 12 of the 19-22 us a waited-for no-op took on the 2-core VM.
+    """
 
     def __init__(
         self, fn: Callable[..., T], args: tuple[object, ...], queue: _Queue | None
     ) -> None:
-        super().__init__()
+        # Future.__init__'s fields, less the condition (see the class).
+        self._cond: threading.Condition | None = None
+        self._state = PENDING
+        self._result: T | None = None
+        self._exception: BaseException | None = None
+        self._waiters: list[Any] = []
+        self._done_callbacks: list[Callback] = []
         self._work: tuple[Callable[..., T], tuple[object, ...]] | None = (fn, args)
         # Claimed by taking it out of the queue, or (fallback) through this lock.
         self._queue = queue
         self._claim = threading.Lock() if queue is None else None
+
+    @property
+    def _condition(self) -> threading.Condition:  # type: ignore[override]
+        cond = self._cond
+        if cond is None:
+            with _LAZY:
+                cond = self._cond
+                if cond is None:
+                    cond = self._cond = threading.Condition()
+        return cond
 
     def run(self) -> None:
         """Do the work here unless another thread claimed it, or it was cancelled."""
@@ -86,19 +116,46 @@ class _Task(Future[T], Generic[T]):
     def execute(self) -> None:
         """Do the work; the caller has claimed the task."""
         work, self._work = self._work, None  # drop the references (buffers) once run
-        if work is None or not self.set_running_or_notify_cancel():
+        if work is None:
+            return
+        with _LAZY:
+            quiet = self._cond is None  # nobody has cancelled it or waits for it
+            if quiet:
+                self._state = RUNNING
+        if not quiet and not self.set_running_or_notify_cancel():
             return
         fn, args = work
         try:
             value = fn(*args)
         except BaseException as exc:  # the waiter sees it through the future, as with a pool
+            self._finish(None, exc)
+        else:
+            self._finish(value, None)
+
+    def _finish(self, value: T | None, exc: BaseException | None) -> None:
+        with _LAZY:
+            quiet = self._cond is None
+            if quiet:
+                self._result, self._exception = value, exc
+                self._state = FINISHED
+        if quiet:
+            self._invoke_callbacks()  # type: ignore[attr-defined]
+        elif exc is not None:
             self.set_exception(exc)
         else:
-            self.set_result(value)
+            self.set_result(value)  # type: ignore[arg-type]
 
     def result(self, timeout: float | None = None) -> T:
         if timeout is None:
             self.run()
+            if self._state == FINISHED:  # final: read without the condition
+                exc = self._exception
+                if exc is None:
+                    return self._result  # type: ignore[return-value]
+                try:
+                    raise exc
+                finally:
+                    del self, exc  # the traceback keeps this frame: no cycle (as Future's)
         else:
             self._hurry()
         return super().result(timeout)
@@ -176,7 +233,8 @@ class StealingExecutor:
         """
         task: _Task[T] = _Task(fn, args, self._queue)
         if on_done is not None:
-            Future.add_done_callback(task, on_done)
+            # Not yet seen by another thread: no condition needed (Future's would make it).
+            task._done_callbacks.append(on_done)
         if self._queue is not None:
             self._queue.put(task)  # RuntimeError after shutdown, as a pool's
         else:

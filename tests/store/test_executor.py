@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 from concurrent.futures import CancelledError, Future, InvalidStateError, TimeoutError, wait
 
 import pytest
@@ -262,3 +263,82 @@ def test_the_inline_executors_finished_future_works_as_any_future() -> None:
     for t in threads:
         t.join(30)
     assert out == [7] * 2000
+
+
+def _racing_round(ex: StealingExecutor, i: int) -> None:
+    running = threading.Event()
+
+    def work() -> int:
+        running.set()
+        time.sleep((0, 0.001, 0.02)[i % 3])  # the others arrive after the run, or during it
+        if i % 7 == 0:
+            raise ValueError(f"task {i}")
+        return i
+
+    fut = ex.submit(work)
+    calls: list[int] = []
+    seen: list[object] = []
+
+    def other(kind: int) -> None:
+        running.wait(5)
+        if kind == 0:
+            seen.append(fut.exception(timeout=10) or fut.result(timeout=10))
+        elif kind == 1:
+            fut.add_done_callback(lambda _f: calls.append(1))
+        else:
+            seen.append(fut.cancel())  # running or finished: False
+            done, _ = wait([fut], timeout=10)
+            seen.append(fut in done)
+
+    others = [threading.Thread(target=other, args=(k,)) for k in (0, 1, 2)]
+    for t in others:
+        t.start()
+    if i % 2:
+        time.sleep(0.002)  # past the grace: a free I/O thread runs it
+    if i % 7 == 0:
+        with pytest.raises(ValueError, match=f"task {i}"):
+            fut.result()
+    else:
+        assert fut.result() == i
+    for t in others:
+        t.join(10)
+    assert not any(t.is_alive() for t in others)
+    assert calls == [1]
+    assert False in seen and True in seen  # the cancel failed, the wait saw it done
+    assert any(s == i or (isinstance(s, ValueError) and i % 7 == 0) for s in seen)
+
+
+def test_threads_that_wait_cancel_or_add_callbacks_while_a_task_runs_all_see_its_end(
+    speedups: bool,
+) -> None:
+    # A task makes its condition only when another thread needs it: whichever comes
+    # first, the thread running it (the waiter itself or an I/O thread) or one that
+    # starts waiting mid-run, nobody misses the end, every callback runs once, and a
+    # cancel mid-run fails as for any future.
+    free = _pool(2, speedups)
+    held, gate = _blocked_pool(speedups)  # its one thread busy: the waiter runs the task
+    try:
+        for i in range(120):
+            _racing_round(free if i % 2 else held, i)
+    finally:
+        gate.set()
+        free.shutdown()
+        held.shutdown()
+
+
+def test_a_waiter_that_runs_its_task_raises_its_error_and_keeps_no_cycle(speedups: bool) -> None:
+    ex, gate = _blocked_pool(speedups)
+    try:
+
+        def boom() -> int:
+            raise KeyError("gone")
+
+        fut = ex.submit(boom)
+        with pytest.raises(KeyError):
+            fut.result()  # run here, on this thread: the quiet path
+        assert isinstance(fut.exception(), KeyError) and fut.done()
+        with pytest.raises(KeyError):
+            fut.result()  # again, as Future does
+    finally:
+        gate.set()
+        ex.shutdown()
