@@ -276,6 +276,15 @@ class Finished(Future[T]):
         self._waiters: list[Any] = []
         self._done_callbacks: list[Any] = []
 
+    def result(self, timeout: float | None = None) -> T:
+        exc = self._exception
+        if exc is None:
+            return self._result  # type: ignore[return-value]
+        try:
+            raise exc
+        finally:
+            del self, exc  # the traceback keeps this frame: no cycle (as Future's)
+
 
 class InlineExecutor:
     """Runs each submitted call at once on the caller's thread (``io_threads=0``)."""
