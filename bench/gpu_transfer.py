@@ -46,6 +46,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-tokens", type=int, default=131072)
     p.add_argument("--host", choices=("auto", "arena", "pinned"), default="auto")
     p.add_argument("--trace-dir", default=None, help="write CUDA timelines (small section)")
+    p.add_argument(
+        "--warmup-s",
+        type=float,
+        default=5.0,
+        help="seconds of untimed 2K-token passes before the cases on a GPU (0: none); "
+        "their ratios are kept in the JSON as `warmup`",
+    )
     a = p.parse_args(argv)
     if optional("torch", "every gpu_transfer row", "pip install torch") is None:
         return 0
