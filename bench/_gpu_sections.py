@@ -670,7 +670,7 @@ def run(a: argparse.Namespace) -> int:
         # on the H200, 2K stores at 0.87x for the first two passes of the first
         # process, 0.92-0.94x after, and in a second process from its start
         # (docs/benchmarks.md). The headline is the steady state a serving engine is in.
-        payload["warmup"] = section("warmup", lambda: _warm_up(dev, cases[0], a, opts))
+        payload["warmup"] = section("cases-warmup", lambda: _warm_up(dev, cases[0], a, opts))
     for geo, tokens, pb in cases if "cases" in sections else []:
         rows = section(
             f"cases-{geo.name}-{tokens}",
