@@ -666,10 +666,11 @@ def run(a: argparse.Namespace) -> int:
 
     print(json.dumps(payload["device"]), flush=True)
     if "cases" in sections and cases and dev.type == "cuda" and a.warmup_s > 0:
-        # A fresh machine's first seconds are slower for the engine (not the ceiling):
-        # on the H200, 2K stores at 0.87x for the first two passes of the first
-        # process, 0.92-0.94x after, and in a second process from its start
-        # (docs/benchmarks.md). The headline is the steady state a serving engine is in.
+        # The headline is meant as the steady state a serving engine is in, not a fresh
+        # process's first seconds: on one H200 the first two 2K passes of a fresh
+        # process measured 0.87x and later ones 0.92-0.94x; on the next machine the
+        # passes here spread 0.86-0.94x with no trend (docs/benchmarks.md). The passes'
+        # ratios are kept in the JSON, so that spread stays in view.
         payload["warmup"] = section("cases-warmup", lambda: _warm_up(dev, cases[0], a, opts))
     for geo, tokens, pb in cases if "cases" in sections else []:
         rows = section(
