@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up .venv idempotently. Usage: scripts/setup.sh [core|test]
-#   core: kvtier, the daemon's dependencies and lz4 (enough for `kvtier serve` and `kvtier demo`).
+#   core: kvtier, the daemon's dependencies, lz4 and matplotlib (enough for `kvtier serve`,
+#         `kvtier demo` and `kvtier calc --plots`: every README command outside `make test`).
 #   test: everything the test suite needs: dev tools, torch (CPU), vLLM (CPU build),
 #         the service, redis and lmcache extras, and Debian's redis-server.
 # A stamp file keyed on this script and pyproject.toml skips work already done.
@@ -16,7 +17,7 @@ stamp=".venv/.setup-${mode}-$(cat pyproject.toml scripts/setup.sh | sha1sum | cu
 if [ ! -f "$stamp" ]; then
   "${pip[@]}" install -q --upgrade pip
   if [ "$mode" = core ]; then
-    "${pip[@]}" install -q -e ".[service,nvme]"
+    "${pip[@]}" install -q -e ".[service,nvme,plot]"
   else
     # torch first and pinned: an unpinned torch would pull the multi-GB CUDA build.
     "${pip[@]}" install -q "torch==2.13.0"
@@ -28,7 +29,7 @@ if [ ! -f "$stamp" ]; then
     "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   fi
   touch "$stamp"
-  # test installs everything core does (.[service] and lz4 through .[dev]): make serve
+  # test installs everything core does (.[service]; lz4 and matplotlib through .[dev]): make serve
   # after make test must not reinstall.
   if [ "$mode" = test ]; then touch "${stamp/setup-test-/setup-core-}"; fi
 fi

@@ -32,6 +32,7 @@ def require_redis() -> None:
         local.redis_binaries()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
+    pytest.importorskip("redis", reason="redis-py is not installed: pip install 'kvtier[redis]'")
 
 
 _SESSION: dict[str, object] = {}

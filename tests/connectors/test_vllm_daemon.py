@@ -10,6 +10,13 @@ daemon kept across its restart. The third also lives through the daemon being ki
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM: pip install 'kvtier[vllm]'")
+pytest.importorskip("fastapi", reason="needs the service extra: pip install 'kvtier[service]'")
+pytest.importorskip("uvicorn", reason="needs the service extra: pip install 'kvtier[service]'")
+pytest.importorskip("httpx", reason="needs the service extra: pip install 'kvtier[service]'")
+
 import json
 import os
 import signal

@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import pytest
 
 from kvtier.connectors.vllm.keys import KeyScheme, rank_keys, rank_salt, request_extra
-from kvtier.connectors.vllm.scheduler import KeyMirror, matched_chunks
 from kvtier.connectors.vllm.settings import ChunkShape, config_from_extra
 from kvtier.errors import ConfigError, SpecError
 from kvtier.spec import KVSpec
@@ -64,6 +63,9 @@ def test_keys_separate_salts_loras_ranks_and_layouts() -> None:
 
 
 def test_lookup_counts_leading_chunks_and_waits_for_saves_in_flight() -> None:
+    pytest.importorskip("vllm")
+    from kvtier.connectors.vllm.scheduler import KeyMirror, matched_chunks
+
     mirror = KeyMirror(capacity=10)
     keys = [bytes([i]) * 16 for i in range(5)]
     for k in keys[:3]:
@@ -76,6 +78,9 @@ def test_lookup_counts_leading_chunks_and_waits_for_saves_in_flight() -> None:
 
 
 def test_mirror_is_bounded_lru() -> None:
+    pytest.importorskip("vllm")
+    from kvtier.connectors.vllm.scheduler import KeyMirror
+
     mirror = KeyMirror(capacity=2)
     a, b, c = b"a" * 16, b"b" * 16, b"c" * 16
     mirror.add(a)

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("fastapi", reason="needs the service extra: pip install 'kvtier[service]'")
+pytest.importorskip("uvicorn", reason="needs the service extra: pip install 'kvtier[service]'")
+pytest.importorskip("httpx", reason="needs the service extra: pip install 'kvtier[service]'")
+
 import logging
 import os
 from collections.abc import Iterator

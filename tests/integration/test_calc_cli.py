@@ -29,6 +29,7 @@ def calc(*args: str) -> None:
 
 @pytest.mark.parametrize("trace", ["mooncake-conversation", "mooncake-synthetic"])
 def test_calc_searches_capacities_on_both_traces(tmp_path: Path, trace: str) -> None:
+    pytest.importorskip("matplotlib", reason="--plots needs the plot extra")
     out = tmp_path / "calc.json"
     calc("--trace", trace, "--limit", "250", "--rounds", "1",
          "--slo", "60", "--json", str(out), "--plots", str(tmp_path / "plots"))
@@ -115,6 +116,7 @@ def test_malformed_trace_line_is_named(tmp_path: Path) -> None:
                                                      ("0.001", 1, "objective NOT met")])
 def test_an_slo_is_met_or_the_exit_status_says_not(tmp_path: Path, slo: str, status: int,
                                                    said: str) -> None:
+    pytest.importorskip("matplotlib", reason="--plots needs the plot extra")
     work = tmp_path / "cwd"
     work.mkdir()
     res = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "calc", "--trace",

@@ -154,7 +154,9 @@ def as_run(text: str, env: dict[str, str]) -> str:
 
 
 def top_level() -> set[str]:
-    return {p.name for p in ROOT.iterdir()} - {".venv"}
+    # What setup makes: .venv, and the egg-info of pip's editable install (a fresh
+    # checkout has none until its first setup, which a README block may run).
+    return {p.name for p in ROOT.iterdir() if not p.name.endswith(".egg-info")} - {".venv"}
 
 
 def sh(text: str, env: dict[str, str], timeout: float = 900) -> subprocess.CompletedProcess[str]:

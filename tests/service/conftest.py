@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import pytest
 
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789ab"}
@@ -99,6 +98,8 @@ def wait_ready(d: Daemon) -> Daemon:
         if proc.poll() is not None:
             raise RuntimeError(f"daemon exited with {proc.returncode}:\n{log.read_text()}")
         try:
+            import httpx
+
             if httpx.get(f"{d.url}/readyz", timeout=1).status_code == 200:
                 return d
         except httpx.HTTPError:

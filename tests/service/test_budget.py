@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
+
+pytest.importorskip("starlette", reason="needs the service extra: pip install 'kvtier[service]'")
+
+import asyncio
 
 from kvtier.service.limits import Budget
 

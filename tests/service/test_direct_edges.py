@@ -5,6 +5,12 @@ at its keep-alive timer, and at shutdown, where uvicorn's own request cycle is a
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("fastapi", reason="needs the service extra: pip install 'kvtier[service]'")
+pytest.importorskip("uvicorn", reason="needs the service extra: pip install 'kvtier[service]'")
+pytest.importorskip("httpx", reason="needs the service extra: pip install 'kvtier[service]'")
+
 import signal
 import socket
 import time

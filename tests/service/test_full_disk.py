@@ -10,6 +10,12 @@ old value or a miss. Anything else a GET returns is stale or wrong.
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("fastapi", reason="needs the service extra: pip install 'kvtier[service]'")
+pytest.importorskip("uvicorn", reason="needs the service extra: pip install 'kvtier[service]'")
+pytest.importorskip("httpx", reason="needs the service extra: pip install 'kvtier[service]'")
+
 import os
 from collections.abc import Iterator
 from pathlib import Path

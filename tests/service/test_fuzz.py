@@ -7,11 +7,17 @@ still serves correctly afterwards.
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("schemathesis", reason="needs the dev extra: schemathesis")
+pytest.importorskip("fastapi", reason="needs the service extra: pip install 'kvtier[service]'")
+pytest.importorskip("uvicorn", reason="needs the service extra: pip install 'kvtier[service]'")
+pytest.importorskip("httpx", reason="needs the service extra: pip install 'kvtier[service]'")
+
 import os
 from typing import Any
 
 import httpx
-import pytest
 import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings

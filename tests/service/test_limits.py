@@ -9,6 +9,12 @@ a hung Redis are still pending).
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("fastapi", reason="needs the service extra: pip install 'kvtier[service]'")
+pytest.importorskip("uvicorn", reason="needs the service extra: pip install 'kvtier[service]'")
+pytest.importorskip("httpx", reason="needs the service extra: pip install 'kvtier[service]'")
+
 import os
 import signal
 import socket

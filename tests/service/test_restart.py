@@ -7,6 +7,12 @@ are random 1 MiB chunks, put one by one; each put is acknowledged before the nex
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("fastapi", reason="needs the service extra: pip install 'kvtier[service]'")
+pytest.importorskip("uvicorn", reason="needs the service extra: pip install 'kvtier[service]'")
+pytest.importorskip("httpx", reason="needs the service extra: pip install 'kvtier[service]'")
+
 import os
 import signal
 from pathlib import Path

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("starlette", reason="needs the service extra: pip install 'kvtier[service]'")
+
 import dataclasses
 from dataclasses import dataclass
 

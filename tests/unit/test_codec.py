@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
+
+pytest.importorskip("lz4", reason="the codec needs lz4: pip install 'kvtier[nvme]'")
+
+import numpy as np
 
 from kvtier import codec
 from kvtier.errors import CorruptChunkError

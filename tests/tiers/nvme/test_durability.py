@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvtier.tiers.nvme import Codec, Durability
 from tests.tiers.nvme.conftest import SLOT, VALUE, get_all, key, values
@@ -83,6 +84,7 @@ def _kv_like(n_bytes: int, seed: int) -> np.ndarray:
 
 
 def test_codec_round_trips_and_writes_fewer_bytes(make_store, tmp_path: Path) -> None:
+    pytest.importorskip("lz4", reason="lz4-shuffle needs lz4: pip install 'kvtier[nvme]'")
     big = 1 << 20  # compression pays only once a chunk spans many 4 KiB pages
     store, tier = make_store(codec=Codec.LZ4_SHUFFLE, slot=big, cap=16 * big)
     n = 4
@@ -118,6 +120,7 @@ def test_batch_commits_on_its_own_without_a_flush(make_store) -> None:
 
 
 def test_encoded_chunks_read_back_after_the_codec_is_turned_off(make_store) -> None:
+    pytest.importorskip("lz4", reason="lz4-shuffle needs lz4: pip install 'kvtier[nvme]'")
     big = 1 << 20
     store, _ = make_store(codec=Codec.LZ4_SHUFFLE, slot=big, cap=16 * big)
     data = np.concatenate([_kv_like(big, i) for i in range(4)])
