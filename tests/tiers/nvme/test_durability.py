@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier.errors import PluginError
 from kvtier.tiers.nvme import Codec, Durability
 from tests.tiers.nvme.conftest import SLOT, VALUE, get_all, key, values
 
@@ -130,6 +131,27 @@ def test_encoded_chunks_read_back_after_the_codec_is_turned_off(make_store) -> N
     out = np.zeros_like(data)
     assert store.get([key(i) for i in range(4)], out).result().chunks == 4
     assert np.array_equal(out, data)
+
+
+def test_a_codec_without_lz4_fails_at_start_and_its_stored_chunks_read_as_misses(
+    make_store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: a tier with the codec started without lz4 and raised ModuleNotFoundError
+    # from the I/O thread at the first put; an encoded chunk read without lz4 did too.
+    pytest.importorskip("lz4", reason="lz4-shuffle needs lz4: pip install 'kvtier[nvme]'")
+    import sys
+
+    big = 1 << 20
+    store, tier = make_store(codec=Codec.LZ4_SHUFFLE, slot=big, cap=16 * big)
+    data = np.concatenate([_kv_like(big, i) for i in range(2)])
+    assert store.put([key(0), key(1)], data).result().stored == 2
+    monkeypatch.setitem(sys.modules, "lz4", None)  # an install without the nvme extra
+    monkeypatch.setitem(sys.modules, "lz4.block", None)
+    out = np.zeros_like(data)
+    assert store.get([key(0), key(1)], out).result().chunks == 0  # a miss, not a crash
+    assert tier.faults().io_errors >= 1
+    with pytest.raises(PluginError, match="lz4"):
+        make_store(codec=Codec.LZ4_SHUFFLE, slot=big, cap=16 * big)
 
 
 def test_deletions_are_durable_before_delete_returns_under_sync(make_store) -> None:
