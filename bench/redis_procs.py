@@ -79,6 +79,8 @@ class RedisServer:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=10)
 
     def start(self) -> RedisServer:
+        import redis  # noqa: F401 - the readiness check needs redis-py: say so now, not in 20 s
+
         self.workdir.mkdir(parents=True, exist_ok=True)
         cmd = [
             self.server_bin, "--port", str(self.port), "--bind", "127.0.0.1",
