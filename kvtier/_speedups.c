@@ -67,6 +67,8 @@ typedef struct {
     double *due;      /* CLOCK_MONOTONIC seconds from which a worker may start it */
     Py_ssize_t cap, head, len, live;
     double grace;
+    double last_put; /* when the latest task was queued: idle workers linger after it */
+    int timed;       /* workers in a timed wait: each wakes by the next task's due time */
     int closed;
     int ready; /* mu and cv initialised */
 } WorkQueue;
@@ -174,7 +176,11 @@ static PyObject *wq_put(WorkQueue *q, PyObject *task) {
     q->due[at] = now_s() + q->grace;
     q->len++;
     q->live++;
-    pthread_cond_signal(&q->cv);
+    q->last_put = q->due[at] - q->grace;
+    /* A worker in a timed wait wakes by this task's due time anyway (its deadline is an
+     * earlier task's due time, or a linger step of one grace): no signal, so a caller
+     * that takes its task back at once costs the worker no wake-up. */
+    if (q->timed == 0) pthread_cond_signal(&q->cv);
     pthread_mutex_unlock(&q->mu);
     Py_RETURN_NONE;
 }
@@ -195,6 +201,10 @@ static PyObject *wq_take(WorkQueue *q, PyObject *task) {
     if (at >= 0) {
         q->items[at] = NULL;
         q->live--;
+        while (q->len > 0 && q->items[q->head] == NULL) { /* no worker may come to drop it */
+            q->head = (q->head + 1) % q->cap;
+            q->len--;
+        }
     }
     pthread_mutex_unlock(&q->mu);
     if (at < 0) Py_RETURN_FALSE;
@@ -214,6 +224,23 @@ static PyObject *wq_hurry(WorkQueue *q, PyObject *task) {
     Py_RETURN_NONE;
 }
 
+/* How long, in graces, an idle worker keeps waking on its own after the latest put. */
+#define LINGER_GRACES 10.0
+
+/* Wait on cv until the monotonic time `until` (or a signal), counted in q->timed. mu held. */
+static void wq_timedwait(WorkQueue *q, double until) {
+    struct timespec ts;
+    ts.tv_sec = (time_t)until;
+    ts.tv_nsec = (long)((until - (double)ts.tv_sec) * 1e9);
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec += 1;
+        ts.tv_nsec -= 1000000000L;
+    }
+    q->timed++;
+    pthread_cond_timedwait(&q->cv, &q->mu, &ts);
+    q->timed--;
+}
+
 /* Next task for a worker, or None once closed and empty. Waits without the GIL. */
 static PyObject *wq_get(WorkQueue *q, PyObject *Py_UNUSED(ignored)) {
     if (wq_check(q) < 0) return NULL;
@@ -227,7 +254,14 @@ static PyObject *wq_get(WorkQueue *q, PyObject *Py_UNUSED(ignored)) {
         }
         if (q->live == 0) {
             if (q->closed) break;
-            pthread_cond_wait(&q->cv, &q->mu);
+            double now = now_s();
+            if (q->grace > 0.0 && now < q->last_put + LINGER_GRACES * q->grace) {
+                /* Tasks came lately: wait in steps of one grace, so the next put
+                 * need not wake this worker (see wq_put). */
+                wq_timedwait(q, now + q->grace);
+            } else {
+                pthread_cond_wait(&q->cv, &q->mu);
+            }
             continue;
         }
         /* The first due task in queue order, else wait for the earliest due time. */
@@ -243,19 +277,15 @@ static PyObject *wq_get(WorkQueue *q, PyObject *Py_UNUSED(ignored)) {
             if (earliest == 0.0 || q->due[at] < earliest) earliest = q->due[at];
         }
         if (pick < 0) {
-            struct timespec ts;
-            ts.tv_sec = (time_t)earliest;
-            ts.tv_nsec = (long)((earliest - (double)ts.tv_sec) * 1e9);
-            if (ts.tv_nsec >= 1000000000L) {
-                ts.tv_sec += 1;
-                ts.tv_nsec -= 1000000000L;
-            }
-            pthread_cond_timedwait(&q->cv, &q->mu, &ts);
+            wq_timedwait(q, earliest);
             continue;
         }
         task = q->items[pick];
         q->items[pick] = NULL;
         q->live--;
+        /* Puts do not wake a worker while one waits timed: hand the rest on, so tasks
+         * queued together still run on as many workers as there are. */
+        if (q->live > 0) pthread_cond_signal(&q->cv);
         break;
     }
     pthread_mutex_unlock(&q->mu);

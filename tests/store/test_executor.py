@@ -211,6 +211,26 @@ def test_the_c_queue_hands_each_task_out_once() -> None:
         q.put(a)
 
 
+def test_tasks_queued_together_run_on_every_thread_while_the_workers_linger(
+    speedups: bool,
+) -> None:
+    # A put does not wake a worker while another waits timed (it lingers after recent
+    # work, so a caller that takes its task back costs no wake-up); the worker that
+    # takes a task must then wake the next for the rest. Four tasks that meet at a
+    # barrier only finish if four threads run them at once; nobody waits for them.
+    ex = _pool(4, speedups)
+    try:
+        for _ in range(20):
+            for i in range(50):  # waited-for work just before: the workers linger
+                assert ex.submit(int, str(i)).result() == i
+            barrier = threading.Barrier(4)
+            futs = [ex.submit(barrier.wait, 10) for _ in range(4)]
+            done, _ = wait(futs, timeout=30)
+            assert len(done) == 4 and all(f.exception() is None for f in futs)
+    finally:
+        ex.shutdown()
+
+
 @pytest.mark.skipif(_NO_C, reason="no C speedups")
 def test_the_c_queue_rejects_a_bad_grace() -> None:
     from kvtier._speedups import WorkQueue
