@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.errors import CorruptChunkError
+from kvtier.errors import CorruptChunkError, PluginError, TierIOError
 
 RAW = 0
 LZ4_SHUFFLE = 1
@@ -89,16 +89,37 @@ def encode(data: npt.NDArray[Any], *, width: int = 2, min_ratio: float = 1.1) ->
     return Encoded(LZ4_SHUFFLE | (width << 4), packed)
 
 
+def require(tier: str) -> None:
+    """Refuse to start tier ``tier`` with the codec on when lz4 is not installed: a
+    start-up error naming the extra, not a ``ModuleNotFoundError`` inside the first put.
+
+    Raises:
+        PluginError: lz4 is missing.
+    """
+    try:
+        import lz4.block  # noqa: F401
+    except ImportError as exc:
+        raise PluginError(
+            f"tier {tier}: codec lz4-shuffle needs lz4 (pip install 'kvtier[nvme]')"
+        ) from exc
+
+
 def decode(codec: int, payload: Any, out: npt.NDArray[Any]) -> None:
     """Decode a stored chunk into ``out`` (uint8, the chunk's raw length).
 
     Raises:
         CorruptChunkError: the payload does not decode to ``out.nbytes`` bytes.
+        TierIOError: the chunk is encoded and lz4 is not installed (a miss, not corrupt).
     """
     if codec == RAW:
         out[:] = np.frombuffer(payload, dtype=np.uint8, count=out.nbytes)
         return
-    import lz4.block
+    try:
+        import lz4.block
+    except ImportError as exc:
+        raise TierIOError(
+            "the chunk is stored lz4-encoded and lz4 is not installed (pip install 'kvtier[nvme]')"
+        ) from exc
 
     width = codec >> 4
     buf = memoryview(payload).cast("B")

@@ -51,7 +51,7 @@ from typing_extensions import override
 
 from kvtier import codec as kvcodec
 from kvtier.enums import Switch
-from kvtier.errors import ClosedError, ConfigError, CorruptChunkError, PluginError, TierIOError
+from kvtier.errors import ClosedError, ConfigError, CorruptChunkError, TierIOError
 from kvtier.files import DIR_MODE, FILE_MODE, make_private, make_private_dirs
 from kvtier.tiers.base import SlotRun, Tier, TierFaults, TierGeometry, TierProfile
 from kvtier.tiers.nvme.engine import PAGE, BufferPool, IOEngine, IORequest, is_aligned, make_engine
@@ -165,13 +165,7 @@ class NVMeTier(Tier):
                 ">= 1, with io_piece_bytes >= 4KiB",
             )
         if opts.codec is not Codec.NONE:
-            try:
-                import lz4.block  # noqa: F401 - fail at start-up, not inside the first put
-            except ImportError as exc:
-                raise PluginError(
-                    f"tier {self.name}: codec {opts.codec.value} needs lz4 "
-                    "(pip install 'kvtier[nvme]')"
-                ) from exc
+            kvcodec.require(self.name)
         dirs = _dirs(self.name, opts)
         self._bufs = BufferPool()
         self._meta: dict[int, Entry] = {}
@@ -680,12 +674,9 @@ class NVMeTier(Tier):
                 )
             try:
                 kvcodec.decode(e.codec, payload, target)
-            except ImportError as exc:  # stored with a codec this install lacks: a miss
+            except TierIOError as exc:  # encoded with a codec this install lacks: a miss
                 self._count("io_errors")
-                raise TierIOError(
-                    f"nvme tier {self.name}: chunk {e.key.hex()} is stored lz4-encoded "
-                    "and lz4 is not installed (pip install 'kvtier[nvme]')"
-                ) from exc
+                raise TierIOError(f"nvme tier {self.name}: chunk {e.key.hex()}: {exc}") from exc
 
         return done
 

@@ -27,7 +27,8 @@ from typing import Any
 
 from typing_extensions import override
 
-from kvtier.errors import CorruptChunkError, PluginError, TierIOError
+from kvtier import codec as kvcodec
+from kvtier.errors import CorruptChunkError, TierIOError
 from kvtier.keys import ChunkKey, Namespace
 from kvtier.tiers.base import SlotRun, Tier, TierFaults, TierGeometry, TierProfile, TierSection
 from kvtier.tiers.redis import wire
@@ -80,12 +81,7 @@ class RedisTier(Tier):
         self._px = int(opts.ttl_s * 1000) if opts.ttl_s > 0 else None
         self._compress = opts.codec == "lz4-shuffle"
         if self._compress:
-            try:
-                import lz4.block  # noqa: F401 - fail at start-up, not on the first put
-            except ImportError as exc:
-                raise PluginError(
-                    f"tier {self.name}: codec lz4-shuffle needs lz4 (pip install 'kvtier[nvme]')"
-                ) from exc
+            kvcodec.require(self.name)
         self._closed = False
         self.bind(namespace or Namespace("", "unbound", 0))
 
