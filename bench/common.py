@@ -1,15 +1,19 @@
 """Shared helpers for benchmarks: timing with warm-up, medians, the JSON envelope, child
-processes that answer one JSON line per request, and optional packages."""
+processes that answer one JSON line per request, optional packages, and scratch folders."""
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import importlib.util
 import json
+import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +23,24 @@ from types import ModuleType
 from typing import Any
 
 from kvtier.policies.measure import run_times
+
+
+def scratch_dir(prefix: str, parent: str | Path | None = None) -> Path:
+    """A new temporary folder, removed when this process exits normally.
+
+    For benchmarks whose scratch outlives one function (a vLLM engine's model folder,
+    an example connector's files): they would otherwise leave up to gigabytes behind
+    in the system's temporary folder on every run.
+    """
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    owner = os.getpid()
+
+    def remove() -> None:
+        if os.getpid() == owner:  # not a forked child that exits normally (vLLM's workers)
+            shutil.rmtree(path, ignore_errors=True)
+
+    atexit.register(remove)
+    return path
 
 
 def optional(package: str, rows: str, install: str) -> ModuleType | None:

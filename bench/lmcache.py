@@ -36,10 +36,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.common import envelope, missing, write_json
+from kvtier.bench.common import envelope, missing, scratch_dir, write_json
 
 LAYERS, HEADS, HEAD_SIZE, CHUNK = 32, 8, 128, 256
 TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_SIZE * 2  # K and V, bf16
@@ -365,7 +365,9 @@ def main(argv: list[str]) -> int:
     tokens = torch.randint(0, 120000, (args.chunks * CHUNK,), generator=g).tolist()
     kv = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
 
-    tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-lmcache-"))
+    # Up to gigabytes of slabs, files and logs: removed at the end (below; at exit
+    # otherwise), whatever happens.
+    tmp = scratch_dir("kvtier-bench-lmcache-")
     capacity = 4 * nbytes
     (tmp / "daemon").mkdir()
     (tmp / "daemon" / "kvtier.toml").write_text(_nvme_toml(tmp / "daemon", capacity))
@@ -509,6 +511,8 @@ def main(argv: list[str]) -> int:
         state["daemon-copy"].stop()
         state["daemon-host"].stop()
         state["redis"].stop()
+        # Explicitly too: os._exit below (LMCache's stuck threads) skips exit handlers.
+        shutil.rmtree(tmp, ignore_errors=True)
     ratios: dict[str, dict[str, float]] = {}
     disk = [
         r

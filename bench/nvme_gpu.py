@@ -22,14 +22,13 @@ import json
 import os
 import platform
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvtier.bench.common import optional
+from kvtier.bench.common import optional, scratch_dir
 from kvtier.tiers.base import TierGeometry
 
 MiB = 1 << 20
@@ -142,7 +141,7 @@ def main(argv: list[str]) -> int:
     from kvtier.tiers.nvme.engine import IORequest
     from kvtier.tiers.nvme.tier import NVMeTier
 
-    root = Path(tempfile.mkdtemp(prefix="kvtier-nvme-gpu-", dir=a.dir))
+    root = scratch_dir("kvtier-nvme-gpu-", a.dir)
     sizes = [int(s) * MiB for s in a.sizes.split(",")]
     cap = 2 * max(sizes)
     slot = 2 * MiB

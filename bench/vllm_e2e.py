@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.common import LineChild, envelope, missing, write_json
+from kvtier.bench.common import LineChild, envelope, missing, scratch_dir, write_json
 from kvtier.bench.tiny_llama import (
     add_engine_options,
     bench_geometry,
@@ -186,7 +186,7 @@ def main(argv: list[str]) -> int:
         return run_disagg(a)
     _env()
     geo = bench_geometry(a)
-    model = write_tiny_llama(a.model_dir or tempfile.mkdtemp(prefix="kvtier-bench-llama-"), geo)
+    model = write_tiny_llama(a.model_dir or str(scratch_dir("kvtier-bench-llama-")), geo)
 
     from vllm import LLM, SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -208,7 +208,7 @@ def main(argv: list[str]) -> int:
                 "kv_connector": "ExampleConnector",
                 "kv_role": "kv_both",
                 "kv_connector_extra_config": {
-                    "shared_storage_path": tempfile.mkdtemp(prefix="kvtier-bench-example-")
+                    "shared_storage_path": str(scratch_dir("kvtier-bench-example-"))
                 },
             }
         }

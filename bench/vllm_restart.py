@@ -28,12 +28,11 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.common import envelope, missing, write_json
+from kvtier.bench.common import envelope, missing, scratch_dir, write_json
 from kvtier.bench.tiny_llama import (
     add_engine_options,
     bench_geometry,
@@ -142,7 +141,7 @@ def main(argv: list[str]) -> int:
         return 0
     own = [x for x in argv if x != "--restart"]
     own = [x for i, x in enumerate(own) if x != "--json" and (i == 0 or own[i - 1] != "--json")]
-    workdir = a.workdir or tempfile.mkdtemp(prefix="kvtier-bench-restart-")
+    workdir = a.workdir or str(scratch_dir("kvtier-bench-restart-"))
     store = _child(own, "store", workdir, Path(workdir) / "store.json")
     hit = _child(own, "hit", workdir, Path(workdir) / "hit.json")
     pairs = hit["pairs"][a.warmup :]
