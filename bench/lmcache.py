@@ -1,6 +1,6 @@
 """kvtier under LMCache against LMCache's own backends, through the same LMCache engine.
 
-Usage: ``kvtier bench lmcache [--chunks N] [--repeat R] [--json F]``
+Usage: ``kvtier bench lmcache [--chunks N] [--repeat R] [--store-rounds S] [--json F]``
 
 One real LMCache 0.5.6 engine per backend (Llama-3-8B geometry: 32 layers, 8 KV heads
 of 128, bf16, 256-token chunks = 32 MiB each), the same prompt and the same random KV
@@ -21,7 +21,10 @@ Durability classes: ``kvtier-remote`` (and ``-copy``), ``kvtier-embedded``, ``lm
 ``lmcache-fs`` keep chunks in files written through the OS page cache without fsync;
 ``kvtier-remote-host`` and ``lmcache-redis`` keep them in memory. Each kvtier row is
 compared with the best LMCache row of its class. Per backend: store throughput
-(``engine.store`` until the backend holds every chunk), retrieve throughput (LMCache's
+(``engine.store`` until the backend holds every chunk), once into the empty backend and
+then over ``--store-rounds`` fresh prompts once it is warm (each round stores one new
+prompt into every backend, the order rotating, and retrieves the main prompt again,
+untimed, so that LRU eviction keeps it for the restart check), retrieve throughput (LMCache's
 local CPU copy dropped before each retrieve, so bytes come from the backend; every
 retrieve checked byte for byte), and the hit rate after destroying the engine and
 restarting its backend (daemon or redis-server stopped and started; files left where
@@ -53,6 +56,8 @@ from kvtier.bench.common import envelope, missing, scratch_dir, write_json
 LAYERS, HEADS, HEAD_SIZE, CHUNK = 32, 8, 128, 256
 TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_SIZE * 2  # K and V, bf16
 STABLE = {"pre_caching_hash_algorithm": "sha256_cbor"}
+CAPACITY_PROMPTS = 4  # a kvtier tier's capacity, in prompts
+FILL_ROUNDS = CAPACITY_PROMPTS - 1  # untimed stores that fill it (the main prompt is the 4th)
 
 
 def _free_port() -> int:
@@ -269,13 +274,41 @@ def _store(engines: _Engines, b: _Backend, tokens: list[int], kv: Any) -> dict[s
     row: dict[str, Any] = {"backend": b.name, "durability": b.durability, "bytes": nbytes}
     name, eng = engines.open(b.config())
     row["_engine"] = (name, eng)
+    seconds, held = _timed_store(eng, b, tokens, kv)
+    row["stored_tokens"] = held
+    row["store_GBps"] = nbytes / seconds / 1e9
+    row["_times"], row["_got"], row["bytes_equal"] = [], [], True
+    row["_store_times"], row["_store_held"] = [], []
+    return row
+
+
+def _timed_store(eng: Any, b: _Backend, tokens: list[int], kv: Any) -> tuple[float, int]:
+    """``engine.store`` until the backend holds every chunk: (seconds, tokens held)."""
     t0 = time.perf_counter()
     eng.store(tokens, kv=kv)
     held = _wait_held(eng, tokens, b.backend)
-    row["stored_tokens"] = held
-    row["store_GBps"] = nbytes / (time.perf_counter() - t0) / 1e9
-    row["_times"], row["_got"], row["bytes_equal"] = [], [], True
-    return row
+    return time.perf_counter() - t0, held
+
+
+def _store_round(
+    engines: _Engines,
+    pairs: list[tuple[_Backend, dict[str, Any]]],
+    fresh: list[int],
+    tokens: list[int],
+    kv: Any,
+    *,
+    timed: bool,
+) -> None:
+    """Store the prompt ``fresh`` (never stored before) into every backend, timed; then
+    retrieve the main prompt once, untimed and checked, so that it stays recently used
+    (kept by LRU eviction for the restart check) while fresh prompts fill the backend."""
+    for b, row in pairs:
+        seconds, held = _timed_store(row["_engine"][1], b, fresh, kv)
+        if timed:
+            row["_store_times"].append(seconds)
+            row["_store_held"].append(held)
+        _retrieve(engines, row, tokens, kv)
+        row["_got"].pop()  # not a timed retrieve; its bytes were checked all the same
 
 
 def _retrieve(engines: _Engines, row: dict[str, Any], tokens: list[int], kv: Any) -> float:
@@ -297,6 +330,11 @@ def _retrieve(engines: _Engines, row: dict[str, Any], tokens: list[int], kv: Any
 def _finish(engines: _Engines, b: _Backend, row: dict[str, Any], tokens: list[int]) -> None:
     """Summarise the retrieves, close the engine, restart the backend, look up again."""
     times, got = row.pop("_times"), row.pop("_got")
+    store_times, store_held = row.pop("_store_times"), row.pop("_store_held")
+    if store_times:
+        row["store_rounds_s"] = store_times
+        row["store_rounds_complete"] = min(store_held) == len(tokens)
+        row["store_steady_GBps"] = row["bytes"] / statistics.median(store_times) / 1e9
     row["retrieved_tokens"] = min(got)
     row["complete"] = row["stored_tokens"] == len(tokens) and min(got) == len(tokens)
     row["retrieve_s"] = {
@@ -312,6 +350,31 @@ def _finish(engines: _Engines, b: _Backend, row: dict[str, Any], tokens: list[in
     with engines.engine(b.config()) as eng:
         hit = int(eng.lookup(tokens))
     row["hit_rate_after_restart"] = hit / len(tokens)
+
+
+def _store_ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Steady-state store ratios, kvtier row / LMCache row of the same durability class,
+    per store round (one round's stores run back to back, so they meet the same load)."""
+    out: dict[str, dict[str, float]] = {}
+    for ours in rows:
+        for theirs in rows:
+            if not (
+                ours["backend"].startswith("kvtier-")
+                and theirs["backend"].startswith("lmcache-")
+                and ours["durability"] == theirs["durability"]
+                and ours.get("store_rounds_complete")
+                and theirs.get("store_rounds_complete")
+            ):
+                continue
+            a, b = ours["store_rounds_s"], theirs["store_rounds_s"]
+            per = [tb / ta for ta, tb in zip(a, b, strict=True)]
+            out[f"{ours['backend']}_store_vs_{theirs['backend']}"] = {
+                "median": statistics.median(per),
+                "min": min(per),
+                "max": max(per),
+                "of_medians": statistics.median(b) / statistics.median(a),
+            }
+    return out
 
 
 def _verify_s(kv: Any) -> float:
@@ -350,6 +413,12 @@ def main(argv: list[str]) -> int:
         "--chunks", type=int, default=8, help="256-token chunks per prompt (32 MiB each)"
     )
     ap.add_argument("--repeat", type=int, default=5, help="timed retrieves per backend")
+    ap.add_argument(
+        "--store-rounds",
+        type=int,
+        default=5,
+        help="timed stores of fresh prompts per backend once it is warm (0: none)",
+    )
     ap.add_argument("--only", action="append", help="run only these backends (repeatable)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -368,7 +437,7 @@ def main(argv: list[str]) -> int:
     # Up to gigabytes of slabs, files and logs: removed at the end (below; at exit
     # otherwise), whatever happens.
     tmp = scratch_dir("kvtier-bench-lmcache-")
-    capacity = 4 * nbytes
+    capacity = CAPACITY_PROMPTS * nbytes
     (tmp / "daemon").mkdir()
     (tmp / "daemon" / "kvtier.toml").write_text(_nvme_toml(tmp / "daemon", capacity))
     (tmp / "embedded").mkdir()
@@ -495,6 +564,18 @@ def main(argv: list[str]) -> int:
             for r in rows[k % len(rows) :] + rows[: k % len(rows)]:
                 r["_times"].append(_retrieve(engines, r, tokens, kv))
             verify.append(_verify_s(kv))
+        # Steady-state stores: a fresh prompt per round into every backend, the order
+        # rotating as above. The first store (above) wrote into an empty backend; these
+        # write into one that fills up and evicts, as a serving cache does.
+        # The first FILL_ROUNDS are not timed: they fill the bounded backends (kvtier's
+        # tiers hold CAPACITY_PROMPTS prompts, LocalDiskBackend two) so that the timed
+        # rounds store into a full backend that evicts.
+        pairs = list(zip(chosen, rows, strict=True))
+        fill = FILL_ROUNDS if args.store_rounds else 0
+        for k in range(fill + args.store_rounds):
+            fresh = torch.randint(0, 120000, (len(tokens),), generator=g).tolist()
+            order = pairs[k % len(pairs) :] + pairs[: k % len(pairs)]
+            _store_round(engines, order, fresh, tokens, kv, timed=k >= fill)
         for b, r in zip(chosen, rows, strict=True):
             _finish(engines, b, r, tokens)
             print(
@@ -503,6 +584,13 @@ def main(argv: list[str]) -> int:
                 f"hits after restart {r['hit_rate_after_restart']:.0%}",
                 flush=True,
             )
+            if "store_steady_GBps" in r:
+                print(
+                    f"{r['backend']:18} store, steady {r['store_steady_GBps']:6.2f} GB/s "
+                    f"(median of {len(r['store_rounds_s'])} fresh prompts; first store "
+                    f"{r['store_GBps']:.2f})",
+                    flush=True,
+                )
     finally:
         for r in rows:
             if "_engine" in r:
@@ -541,7 +629,8 @@ def main(argv: list[str]) -> int:
                 ratios[f"{ours}_retrieve_vs_lmcache-redis"] = _round_ratios(
                     rows, ours, "lmcache-redis"
                 )
-    for what, v in ratios.items():
+    store_ratios = _store_ratios(rows)
+    for what, v in [*ratios.items(), *store_ratios.items()]:
         print(
             f"{what}: {v['median']:.2f}x (per-round median; min {v['min']:.2f}, max "
             f"{v['max']:.2f}; ratio of medians {v['of_medians']:.2f})"
@@ -556,6 +645,8 @@ def main(argv: list[str]) -> int:
         "lmcache",
         rows,
         ratios=ratios,
+        store_ratios=store_ratios,
+        store_rounds=args.store_rounds,
         verified=verified,
         chunks=args.chunks,
         repeat=args.repeat,
