@@ -209,6 +209,34 @@ def test_lz4_codec_shrinks_kv_and_round_trips(make, redis_server: RedisServer) -
         tier.read(run, memoryview(out))
 
 
+def test_a_value_encoded_with_lz4_read_without_lz4_is_a_miss_and_stays(
+    make, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A reader installed without the nvme extra, sharing Redis with one that has it:
+    # the encoded value is a TierIOError (a miss), not ModuleNotFoundError, and it is
+    # not deleted as corrupt (it is good for readers that have lz4).
+    pytest.importorskip("lz4", reason="writing the value needs lz4: pip install 'kvtier[nvme]'")
+    import sys
+
+    writer = make(codec="lz4-shuffle")
+    (e,) = writer.allocate(1)
+    run = SlotRun(e.offset, (key(7),), SLOT)
+    data = bf16_like(SLOT, 7)
+    writer.write(run, memoryview(data))
+    stored = redis_server.client().get(writer.redis_key(key(7)))
+    assert stored[3] != wire.CODEC_RAW
+    reader = make()  # codec "none": starts without lz4
+    monkeypatch.setitem(sys.modules, "lz4", None)
+    monkeypatch.setitem(sys.modules, "lz4.block", None)
+    out = np.zeros_like(data)
+    with pytest.raises(TierIOError, match="lz4"):
+        reader.read(run, memoryview(out))
+    assert redis_server.client().get(writer.redis_key(key(7))) == stored
+    monkeypatch.undo()
+    reader.read(run, memoryview(out))
+    assert np.array_equal(out, data)
+
+
 def test_batches_bounded_by_bytes_still_round_trip(make) -> None:
     tier = make(batch_bytes=3 * SLOT)  # three values per round trip at most
     runs, data = put(tier, [key(i) for i in range(20)], seed=9)
