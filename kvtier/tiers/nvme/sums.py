@@ -22,12 +22,8 @@ from typing import Any
 
 import xxhash
 
-PIECE_BYTES = 512 << 10
-"""Piece size. A piece and its page-cache source both pass through the core's L2 (2 MiB
-on the VM), so a piece of a quarter of it is still there when it is hashed; smaller
-pieces cost more in calls than they save. Two 32 MiB chunks from the page cache through
-the store on the VM, median of 25: get 9.1-9.7 ms with 2 MiB pieces, 8.5-8.8 with 512
-KiB (128 KiB: 11.4); put 10.7 against 9.7 ms."""
+PIECE_BYTES = 2 << 20
+"""Piece size: about one core's L2 on the hosts measured (2 MiB on the VM)."""
 
 
 class PieceSums:
