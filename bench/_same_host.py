@@ -211,31 +211,72 @@ HEADER = (
 )
 
 
-def socket_floor_us(n: int = 2000) -> float:
+def socket_floor_us(n: int = 2000, cpus: tuple[int, int] | None = None) -> float:
     """Median round trip of a 48-byte message to another Python process and back over a
     Unix seqpacket socket: the least any same-host request can cost on this machine (two
-    process wake-ups), measured in the same run as the rows."""
+    process wake-ups), measured in the same run as the rows.
+
+    ``cpus``: run this thread on the first CPU and the echoing process on the second for
+    the measurement. Where the scheduler puts the two matters: a wake-up on another CPU
+    can cost far more than one on the same CPU (a 2-vCPU VM measured 4 us against 95-102
+    us), so an unpinned figure only says where the processes happened to run.
+    """
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    echo = "import socket,sys\ns=socket.socket(fileno=int(sys.argv[1]))\nwhile m:=s.recv(4096): s.send(m)"
-    child = subprocess.Popen([sys.executable, "-c", echo, str(b.fileno())], pass_fds=[b.fileno()])
+    echo = (
+        "import os,socket,sys\n"
+        "if len(sys.argv) > 2: os.sched_setaffinity(0, {int(sys.argv[2])})\n"
+        "s=socket.socket(fileno=int(sys.argv[1]))\n"
+        "while m:=s.recv(4096): s.send(m)"
+    )
+    argv = [sys.executable, "-c", echo, str(b.fileno())]
+    if cpus is not None:
+        argv.append(str(cpus[1]))
+    child = subprocess.Popen(argv, pass_fds=[b.fileno()])
     b.close()
+    mine = os.sched_getaffinity(0)
     lat = []
     try:
+        if cpus is not None:
+            os.sched_setaffinity(0, {cpus[0]})  # this thread only, until restored below
         for _ in range(n):
             t0 = time.perf_counter()
             a.send(b"x" * 48)
             a.recv(4096)
             lat.append(time.perf_counter() - t0)
     finally:
+        os.sched_setaffinity(0, mine)
         a.close()
         child.wait(10)
     return round(statistics.median(lat[n // 10 :]) * 1e6, 1)
 
 
+def socket_floors_us() -> dict[str, float | None]:
+    """The round-trip floor unpinned, with both processes on one CPU, and on two CPUs
+    (None where this process may use only one)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    two = (allowed[0], allowed[1]) if len(allowed) > 1 else None
+    return {
+        "socket_round_trip_floor_us": socket_floor_us(),
+        "socket_round_trip_one_cpu_us": socket_floor_us(cpus=(allowed[0], allowed[0])),
+        "socket_round_trip_two_cpus_us": socket_floor_us(cpus=two) if two else None,
+    }
+
+
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     ratios = [r["ratio_memcpy"] for r in rows]
+    floors: dict[str, float | None] = (
+        socket_floors_us()
+        if rows
+        else dict.fromkeys(
+            (
+                "socket_round_trip_floor_us",
+                "socket_round_trip_one_cpu_us",
+                "socket_round_trip_two_cpus_us",
+            )
+        )
+    )
     return {
-        "socket_round_trip_floor_us": socket_floor_us() if rows else None,
+        **floors,
         "target_ratio": TARGET_RATIO,
         "min_ratio": min(ratios) if ratios else None,
         "median_ratio": statistics.median(ratios) if ratios else None,

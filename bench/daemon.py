@@ -522,8 +522,10 @@ def main(argv: list[str]) -> int:
             f"same-host ratio to memcpy: median {sh_summary['median_ratio']}, min "
             f"{sh_summary['min_ratio']}, {sh_summary['points_meeting_target']}/"
             f"{sh_summary['points']} points >= {same_host.TARGET_RATIO}; a bare socket round "
-            f"trip between two processes {sh_summary['socket_round_trip_floor_us']} us, a "
-            f"same-host lookup {sh_rows[0]['lookup_round_trip_us']} us"
+            f"trip between two processes {sh_summary['socket_round_trip_floor_us']} us (on one "
+            f"CPU {sh_summary['socket_round_trip_one_cpu_us']} us, on two "
+            f"{sh_summary['socket_round_trip_two_cpus_us']} us), a same-host lookup "
+            f"{sh_rows[0]['lookup_round_trip_us']} us"
         )
     write_json(
         args.json,
