@@ -250,31 +250,29 @@ def socket_floor_us(n: int = 2000, cpus: tuple[int, int] | None = None) -> float
     return round(statistics.median(lat[n // 10 :]) * 1e6, 1)
 
 
+FLOOR_KEYS = (
+    "socket_round_trip_floor_us",
+    "socket_round_trip_one_cpu_us",
+    "socket_round_trip_two_cpus_us",
+)
+
+
 def socket_floors_us() -> dict[str, float | None]:
     """The round-trip floor unpinned, with both processes on one CPU, and on two CPUs
     (None where this process may use only one)."""
     allowed = sorted(os.sched_getaffinity(0))
     two = (allowed[0], allowed[1]) if len(allowed) > 1 else None
+    unpinned, one, both = FLOOR_KEYS
     return {
-        "socket_round_trip_floor_us": socket_floor_us(),
-        "socket_round_trip_one_cpu_us": socket_floor_us(cpus=(allowed[0], allowed[0])),
-        "socket_round_trip_two_cpus_us": socket_floor_us(cpus=two) if two else None,
+        unpinned: socket_floor_us(),
+        one: socket_floor_us(cpus=(allowed[0], allowed[0])),
+        both: socket_floor_us(cpus=two) if two else None,
     }
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     ratios = [r["ratio_memcpy"] for r in rows]
-    floors: dict[str, float | None] = (
-        socket_floors_us()
-        if rows
-        else dict.fromkeys(
-            (
-                "socket_round_trip_floor_us",
-                "socket_round_trip_one_cpu_us",
-                "socket_round_trip_two_cpus_us",
-            )
-        )
-    )
+    floors = socket_floors_us() if rows else dict.fromkeys(FLOOR_KEYS)
     return {
         **floors,
         "target_ratio": TARGET_RATIO,

@@ -299,9 +299,9 @@ def _store_round(
     *,
     timed: bool,
 ) -> None:
-    """Store the prompt ``fresh`` (never stored before) into every backend, timed; then
-    retrieve the main prompt once, untimed and checked, so that it stays recently used
-    (kept by LRU eviction for the restart check) while fresh prompts fill the backend."""
+    """Store the prompt ``fresh`` (never stored before) into every backend, recording the
+    time when ``timed``; after each, retrieve the main prompt once, untimed and checked,
+    so that it stays recently used (kept by LRU eviction for the restart check)."""
     for b, row in pairs:
         seconds, held = _timed_store(row["_engine"][1], b, fresh, kv)
         if timed:
@@ -366,15 +366,22 @@ def _store_ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
                 and theirs.get("store_rounds_complete")
             ):
                 continue
-            a, b = ours["store_rounds_s"], theirs["store_rounds_s"]
-            per = [tb / ta for ta, tb in zip(a, b, strict=True)]
-            out[f"{ours['backend']}_store_vs_{theirs['backend']}"] = {
-                "median": statistics.median(per),
-                "min": min(per),
-                "max": max(per),
-                "of_medians": statistics.median(b) / statistics.median(a),
-            }
+            out[f"{ours['backend']}_store_vs_{theirs['backend']}"] = _per_round(
+                ours["store_rounds_s"], theirs["store_rounds_s"]
+            )
     return out
+
+
+def _per_round(ours_s: list[float], theirs_s: list[float]) -> dict[str, float]:
+    """Throughput ratio ours/theirs from the seconds of the same rounds: the median of
+    the per-round ratios, their min and max, and the ratio of the medians."""
+    per = [tb / ta for ta, tb in zip(ours_s, theirs_s, strict=True)]
+    return {
+        "median": statistics.median(per),
+        "min": min(per),
+        "max": max(per),
+        "of_medians": statistics.median(theirs_s) / statistics.median(ours_s),
+    }
 
 
 def _verify_s(kv: Any) -> float:
@@ -398,13 +405,7 @@ def _round_ratios(rows: list[dict[str, Any]], ours: str, theirs: str) -> dict[st
         # A retrieve that came back short is not the same work: no throughput ratio.
         nan = float("nan")
         return {"median": nan, "min": nan, "max": nan, "of_medians": nan}
-    per = [tb / ta for ta, tb in zip(a["retrieve_s"]["all"], b["retrieve_s"]["all"], strict=True)]
-    return {
-        "median": statistics.median(per),
-        "min": min(per),
-        "max": max(per),
-        "of_medians": b["retrieve_s"]["median"] / a["retrieve_s"]["median"],
-    }
+    return _per_round(a["retrieve_s"]["all"], b["retrieve_s"]["all"])
 
 
 def main(argv: list[str]) -> int:
@@ -565,11 +566,10 @@ def main(argv: list[str]) -> int:
                 r["_times"].append(_retrieve(engines, r, tokens, kv))
             verify.append(_verify_s(kv))
         # Steady-state stores: a fresh prompt per round into every backend, the order
-        # rotating as above. The first store (above) wrote into an empty backend; these
-        # write into one that fills up and evicts, as a serving cache does.
-        # The first FILL_ROUNDS are not timed: they fill the bounded backends (kvtier's
-        # tiers hold CAPACITY_PROMPTS prompts, LocalDiskBackend two) so that the timed
-        # rounds store into a full backend that evicts.
+        # rotating as above. The first store (above) wrote into an empty backend; the
+        # FILL_ROUNDS untimed ones fill the bounded backends (kvtier's tiers hold
+        # CAPACITY_PROMPTS prompts, LocalDiskBackend two), so the timed ones store into
+        # a full backend that evicts, as a serving cache does.
         pairs = list(zip(chosen, rows, strict=True))
         fill = FILL_ROUNDS if args.store_rounds else 0
         for k in range(fill + args.store_rounds):
