@@ -21,4 +21,5 @@ test:
 
 lint:
 	.venv/bin/ruff check kvtier policies connectors service bench tests
+	.venv/bin/ruff format --check kvtier policies connectors service bench tests examples
 	.venv/bin/mypy

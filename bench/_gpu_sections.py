@@ -121,7 +121,10 @@ def run_case(
 
 
 def _warm_up(
-    dev: torch.device, case: tuple[Geometry, int, bool], a: argparse.Namespace, opts: TransferOptions
+    dev: torch.device,
+    case: tuple[Geometry, int, bool],
+    a: argparse.Namespace,
+    opts: TransferOptions,
 ) -> list[dict[str, float]]:
     """Untimed passes of the first case until ``a.warmup_s`` have gone; their ratios."""
     geo, tokens, _ = case

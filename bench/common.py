@@ -156,7 +156,11 @@ def envelope(name: str, rows: list[dict[str, Any]], **extra: Any) -> dict[str, A
         "benchmark": name,
         "command": command(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"node": platform.node(), "machine": platform.machine(), "cpus": __import__("os").cpu_count()},
+        "machine": {
+            "node": platform.node(),
+            "machine": platform.machine(),
+            "cpus": __import__("os").cpu_count(),
+        },
         "versions": versions(),
         "rows": rows,
         **extra,

@@ -235,18 +235,24 @@ def main(argv: list[str]) -> int:
         "adaptive_internal_frag_le_1pct_at_ge_32k": all(
             r["internal_frag"] <= 0.01
             for r in rows
-            if r["scheme"] == "adaptive" and isinstance(r["context_tokens"], int) and r["context_tokens"] >= 32768
+            if r["scheme"] == "adaptive"
+            and isinstance(r["context_tokens"], int)
+            and r["context_tokens"] >= 32768
         ),
         "adaptive_entries_le_log2_plus_1": all(
             r["entries_per_seq"] <= math.ceil(math.log2(-(-r["context_tokens"] // CHUNK))) + 1
             for r in rows
             if r["scheme"] == "adaptive" and isinstance(r["context_tokens"], int)
         ),
-        "churn_failure_rate_le_fixed_256": next(c for c in churn_rows if c["scheme"] == "adaptive")["failure_rate"]
+        "churn_failure_rate_le_fixed_256": next(c for c in churn_rows if c["scheme"] == "adaptive")[
+            "failure_rate"
+        ]
         <= next(c for c in churn_rows if c["scheme"] == "fixed-256")["failure_rate"],
     }
 
-    print(f"adaptive extents: {CHUNK}-token chunks, largest extent 2^{max_order} chunks (Llama-3-8B, default cap)")
+    print(
+        f"adaptive extents: {CHUNK}-token chunks, largest extent 2^{max_order} chunks (Llama-3-8B, default cap)"
+    )
     print(f"\n{'scheme':<12} {'context':>22} {'int.frag':>9} {'entries':>9} {'transfers':>10}")
     for r in rows:
         print(
@@ -254,10 +260,14 @@ def main(argv: list[str]) -> int:
             f"{r['entries_per_seq']:>9.1f} {r['transfers_per_seq']:>10.1f}"
         )
     print("\npage size vs fragmentation and P95 allocation latency at 48K (under 90% churn)")
-    print(f"{'scheme':<16} {'int.frag @48K':>14} {'P95 alloc @48K':>15} {'fail rate':>10} {'entries/seq':>12}")
+    print(
+        f"{'scheme':<16} {'int.frag @48K':>14} {'P95 alloc @48K':>15} {'fail rate':>10} {'entries/seq':>12}"
+    )
     for c in churn_rows:
         base = c["scheme"].replace("-strict", "")
-        f48 = next(r["internal_frag"] for r in rows if r["scheme"] == base and r["context_tokens"] == 49152)
+        f48 = next(
+            r["internal_frag"] for r in rows if r["scheme"] == base and r["context_tokens"] == 49152
+        )
         print(
             f"{c['scheme']:<16} {f48:>13.2%} {c['p95_alloc_us_48k']:>12.1f} us {c['failure_rate']:>9.2%} "
             f"{c['entries_per_seq_under_churn']:>12.1f}"
@@ -267,7 +277,13 @@ def main(argv: list[str]) -> int:
         plot(lengths, max_order, args.plot)
     write_json(
         args.json,
-        envelope("fragmentation", rows, churn=churn_rows, targets=checks, max_extent_chunks=1 << max_order),
+        envelope(
+            "fragmentation",
+            rows,
+            churn=churn_rows,
+            targets=checks,
+            max_extent_chunks=1 << max_order,
+        ),
     )
     return 0
 

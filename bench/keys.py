@@ -68,7 +68,9 @@ def main(argv: list[str]) -> int:
                 "speedup_vs_vllm_default": base / sample.median_s if base else None,
             }
         )
-    print(f"key computation for a {args.tokens}-token prompt (median of {args.repeat}, interleaved)")
+    print(
+        f"key computation for a {args.tokens}-token prompt (median of {args.repeat}, interleaved)"
+    )
     for r in rows:
         x = r["speedup_vs_vllm_default"]
         print(

@@ -100,7 +100,8 @@ def _tier(root: Path, name: str, capacity: int, slot: int, engine: str, **opts: 
     d = root / name
     d.mkdir(exist_ok=True)
     return NVMeTier(
-        TierGeometry(name, capacity, slot, 1 << 40), Options(dir=str(d), engine=EngineKind(engine), **opts)
+        TierGeometry(name, capacity, slot, 1 << 40),
+        Options(dir=str(d), engine=EngineKind(engine), **opts),
     )
 
 
@@ -467,7 +468,9 @@ def main(argv: list[str]) -> int:
 
 
 def _direct(contender: Any) -> tuple[bool, ...]:
-    return tuple(contender.direct if isinstance(contender, AiofilesBaseline) else contender.engine.direct)
+    return tuple(
+        contender.direct if isinstance(contender, AiofilesBaseline) else contender.engine.direct
+    )
 
 
 if __name__ == "__main__":

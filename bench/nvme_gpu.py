@@ -117,9 +117,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dir", default="/var/tmp")
     p.add_argument("--sizes", default="4,16,64,256")
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument(
-        "--device", default="auto", help="cuda, cpu (a dry run on a CPU host), or auto"
-    )
+    p.add_argument("--device", default="auto", help="cuda, cpu (a dry run on a CPU host), or auto")
     a = p.parse_args(argv)
     torch = optional("torch", "every nvme_gpu row", "pip install torch")
     if torch is None:
@@ -155,14 +153,16 @@ def main(argv: list[str]) -> int:
         if dev != "cuda":
             raise RuntimeError("dry run without CUDA")
         tiers["kvikio"] = NVMeTier(
-            TierGeometry("kv", cap, slot, 1 << 40), Options(dir=str(root / "kv"), engine=EngineKind.KVIKIO)
+            TierGeometry("kv", cap, slot, 1 << 40),
+            Options(dir=str(root / "kv"), engine=EngineKind.KVIKIO),
         )
         env["engine_compat_mode"] = tiers["kvikio"].engine.compat_mode
         env["engine_gds_available"] = tiers["kvikio"].engine.gds_available
     except Exception as exc:
         errors.append(f"kvikio tier: {type(exc).__name__}: {exc}")
     tiers["posix"] = NVMeTier(
-        TierGeometry("px", cap, slot, 1 << 40), Options(dir=str(root / "px"), engine=EngineKind.POSIX)
+        TierGeometry("px", cap, slot, 1 << 40),
+        Options(dir=str(root / "px"), engine=EngineKind.POSIX),
     )
     env["posix_direct"] = all(tiers["posix"].engine.direct)
     env["forced_gds_probe"] = (

@@ -62,13 +62,19 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--model", default="llama-3-8b")
     ap.add_argument("--hardware", default="h200-dram-nvme")
-    ap.add_argument("--caps-gb", default="250,8000;1000,8000;2000,8000;4000,8000",
-                    help="capacity per tier in GB; configurations separated by ';'")
+    ap.add_argument(
+        "--caps-gb",
+        default="250,8000;1000,8000;2000,8000;4000,8000",
+        help="capacity per tier in GB; configurations separated by ';'",
+    )
     ap.add_argument("--limit", type=int, default=None, help="first N requests of each trace")
     ap.add_argument("--validate-requests", type=int, default=1500)
     ap.add_argument("--traces", default=",".join(TRACES))
-    ap.add_argument("--latency-values", default="",
-                    help="extra kvtier rows pricing user waiting at these $/s (sensitivity)")
+    ap.add_argument(
+        "--latency-values",
+        default="",
+        help="extra kvtier rows pricing user waiting at these $/s (sensitivity)",
+    )
     args = ap.parse_args(argv)
     variants = dict(VARIANTS)
     for v in filter(None, args.latency_values.split(",")):
@@ -79,10 +85,11 @@ def main(argv: list[str]) -> int:
     configs = [tuple(int(float(x) * 1e9) for x in c.split(",")) for c in args.caps_gb.split(";")]
     rows: list[dict[str, Any]] = []
     speed: list[dict[str, Any]] = []
-    print(f"{'trace':20} {'policy':18} {'hit':>6} {'ssd TB':>8} {'$/month':>9} "
-          f"{'hit x':>6} {'ssd x':>6} {'cost x':>6} {'met':>4} {'wall s':>7} {'cpu s':>6}")
-    traces = {n: load_trace(_shipped(n), limit=args.limit)
-              for n in args.traces.split(",")}
+    print(
+        f"{'trace':20} {'policy':18} {'hit':>6} {'ssd TB':>8} {'$/month':>9} "
+        f"{'hit x':>6} {'ssd x':>6} {'cost x':>6} {'met':>4} {'wall s':>7} {'cpu s':>6}"
+    )
+    traces = {n: load_trace(_shipped(n), limit=args.limit) for n in args.traces.split(",")}
     for (name, trace), caps in itertools.product(traces.items(), configs):
         base: dict[str, Any] | None = None
         for variant, kw in variants.items():
@@ -115,24 +122,40 @@ def main(argv: list[str]) -> int:
             row["hit_ratio"] = row["hit_rate"] / base["hit_rate"] if base["hit_rate"] else None
             row["ssd_write_ratio"] = (
                 row["ssd_bytes_written"] / base["ssd_bytes_written"]
-                if base["ssd_bytes_written"] else None
+                if base["ssd_bytes_written"]
+                else None
             )
             row["cost_ratio"] = row["cost"] / base["cost"] if base["cost"] else None
-            row["target_met"] = bool(
-                row["ssd_write_ratio"] is not None and row["ssd_write_ratio"] <= 0.5
-                and row["hit_ratio"] is not None and row["hit_ratio"] >= 0.95
-            ) if variant.startswith("kvtier") else None
+            row["target_met"] = (
+                bool(
+                    row["ssd_write_ratio"] is not None
+                    and row["ssd_write_ratio"] <= 0.5
+                    and row["hit_ratio"] is not None
+                    and row["hit_ratio"] >= 0.95
+                )
+                if variant.startswith("kvtier")
+                else None
+            )
             rows.append(row)
-            speed.append({"trace": name, "policy": variant, "requests": r.requests,
-                          "wall_s": r.wall_s, "cpu_s": r.cpu_s,
-                          "requests_per_s": r.requests_per_s})
+            speed.append(
+                {
+                    "trace": name,
+                    "policy": variant,
+                    "requests": r.requests,
+                    "wall_s": r.wall_s,
+                    "cpu_s": r.cpu_s,
+                    "requests_per_s": r.requests_per_s,
+                }
+            )
             cap_s = "+".join(f"{c / 1e12:g}" for c in caps)
             label = f"{name[:12]} {cap_s}TB"
-            print(f"{label:20} {variant:18} {r.hit_rate:6.3f} {r.ssd_bytes_written / 1e12:8.2f} "
-                  f"{r.cost_per_month:9.0f} {row['hit_ratio'] or 0:6.3f} "
-                  f"{row['ssd_write_ratio'] or 0:6.3f} {row['cost_ratio'] or 0:6.3f} "
-                  f"{_met(row['target_met']):>4} "
-                  f"{r.wall_s:7.1f} {r.cpu_s:6.1f}")
+            print(
+                f"{label:20} {variant:18} {r.hit_rate:6.3f} {r.ssd_bytes_written / 1e12:8.2f} "
+                f"{r.cost_per_month:9.0f} {row['hit_ratio'] or 0:6.3f} "
+                f"{row['ssd_write_ratio'] or 0:6.3f} {row['cost_ratio'] or 0:6.3f} "
+                f"{_met(row['target_met']):>4} "
+                f"{r.wall_s:7.1f} {r.cpu_s:6.1f}"
+            )
     conv = [s["wall_s"] for s in speed if s["trace"] == "conversation_trace"]
     conv_cpu = [s["cpu_s"] for s in speed if s["trace"] == "conversation_trace"]
     speed_summary = {
@@ -155,17 +178,29 @@ def main(argv: list[str]) -> int:
             d["within_2_points"] = v.max_abs_diff_points <= 2.0
             ok = ok and v.corrupt_chunks == 0
             validations.append(d)
-            print(f"validate {variant:18} lower={v.lower_kind} predicted={v.predicted} "
-                  f"measured={v.measured} max diff {v.max_abs_diff_points:.2f} pts, "
-                  f"{v.verified_chunks} hits verified, {v.corrupt_chunks} wrong")
+            print(
+                f"validate {variant:18} lower={v.lower_kind} predicted={v.predicted} "
+                f"measured={v.measured} max diff {v.max_abs_diff_points:.2f} pts, "
+                f"{v.verified_chunks} hits verified, {v.corrupt_chunks} wrong"
+            )
     if conv:
-        print(f"simulator: max {max(conv):.1f} s wall, {max(conv_cpu):.1f} s CPU per "
-              f"configuration on the conversation trace (bound {SPEED_BOUND_S:.0f} s); "
-              f"load average {os.getloadavg()[0]:.1f}")
-    write_json(args.json, envelope(
-        "policy", rows, model=args.model, hardware=hw.name,
-        capacities_bytes=[list(c) for c in configs], speed=speed_summary, validation=validations,
-    ))
+        print(
+            f"simulator: max {max(conv):.1f} s wall, {max(conv_cpu):.1f} s CPU per "
+            f"configuration on the conversation trace (bound {SPEED_BOUND_S:.0f} s); "
+            f"load average {os.getloadavg()[0]:.1f}"
+        )
+    write_json(
+        args.json,
+        envelope(
+            "policy",
+            rows,
+            model=args.model,
+            hardware=hw.name,
+            capacities_bytes=[list(c) for c in configs],
+            speed=speed_summary,
+            validation=validations,
+        ),
+    )
     return 0 if ok else 1
 
 

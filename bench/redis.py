@@ -104,9 +104,14 @@ class Target:
         from kvtier.tiers.redis import Options, RedisTier
 
         opts = Options(
-            url=self.url or "redis://127.0.0.1:6379/0", cluster_nodes=self.seeds,
-            key_prefix=f"bench-{uuid.uuid4().hex[:8]}", op_budget_s=120.0, write_budget_s=120.0,
-            socket_timeout_s=60.0, batch_bytes=BATCH_BYTES[0], streams_per_node=STREAMS[0],
+            url=self.url or "redis://127.0.0.1:6379/0",
+            cluster_nodes=self.seeds,
+            key_prefix=f"bench-{uuid.uuid4().hex[:8]}",
+            op_budget_s=120.0,
+            write_budget_s=120.0,
+            socket_timeout_s=60.0,
+            batch_bytes=BATCH_BYTES[0],
+            streams_per_node=STREAMS[0],
         )
         return RedisTier(TierGeometry("redis", 2 * n * slot_bytes, slot_bytes, 1 << 40), opts)
 
@@ -189,7 +194,9 @@ def contenders(
     return puts, gets, dst, tier
 
 
-def bench_target(t: Target, data: npt.NDArray[Any], chunk: int, repeat: int) -> list[dict[str, Any]]:
+def bench_target(
+    t: Target, data: npt.NDArray[Any], chunk: int, repeat: int
+) -> list[dict[str, Any]]:
     n = data.nbytes // chunk
     rng = np.random.default_rng(1)
     keys = [ChunkKey(rng.bytes(16)) for _ in range(n)]
@@ -219,8 +226,10 @@ def _row(target: str, op: str, s: dict[str, Sample], nbytes: int, ct: int) -> di
         "twokey_GBps": round(gbps["twokey"], 3),
         "vs_ceiling": round(gbps["kvtier"] / gbps["ceiling"], 3),
         "vs_twokey": round(gbps["kvtier"] / gbps["twokey"], 3),
-        "seconds": {k: {"median": v.median_s, "min": v.min_s, "max": v.max_s, "runs": v.runs}
-                    for k, v in s.items()},
+        "seconds": {
+            k: {"median": v.median_s, "min": v.min_s, "max": v.max_s, "runs": v.runs}
+            for k, v in s.items()
+        },
     }
 
 
@@ -229,8 +238,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--model", default="qwen2-7b", help="KV geometry preset")
     ap.add_argument("--tp", type=int, default=4, help="tensor-parallel size; rank 0's shard")
     ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--chunk-tokens", default="256",
-                    help="tokens per chunk; a comma list runs each (e.g. 256,16)")
+    ap.add_argument(
+        "--chunk-tokens",
+        default="256",
+        help="tokens per chunk; a comma list runs each (e.g. 256,16)",
+    )
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--targets", default="single,cluster")
     ap.add_argument("--url", help="use this Redis instead of starting one")
@@ -250,12 +262,21 @@ def main(argv: list[str]) -> int:
         0, 256, args.tokens * spec.bytes_per_token, dtype=np.uint8
     )
     sizes = [int(x) for x in str(args.chunk_tokens).split(",") if x]
-    geometry = {"model": args.model, "tp_size": args.tp, "tp_rank": 0, "tokens": args.tokens,
-                "bytes_per_token": spec.bytes_per_token, "total_bytes": data.nbytes,
-                "chunk_tokens": sizes, "batch_bytes": args.batch_bytes,
-                "streams_per_node": args.streams}
-    print(f"{args.model} TP{args.tp} rank 0: {args.tokens} tokens, {data.nbytes / MiB:.0f} MiB",
-          file=sys.stderr)
+    geometry = {
+        "model": args.model,
+        "tp_size": args.tp,
+        "tp_rank": 0,
+        "tokens": args.tokens,
+        "bytes_per_token": spec.bytes_per_token,
+        "total_bytes": data.nbytes,
+        "chunk_tokens": sizes,
+        "batch_bytes": args.batch_bytes,
+        "streams_per_node": args.streams,
+    }
+    print(
+        f"{args.model} TP{args.tp} rank 0: {args.tokens} tokens, {data.nbytes / MiB:.0f} MiB",
+        file=sys.stderr,
+    )
 
     from kvtier.bench.redis_procs import RedisClusterProcs, RedisServer
 
@@ -287,14 +308,20 @@ def main(argv: list[str]) -> int:
                 if procs is not None:
                     procs.stop()
 
-    print(f"{'target':<10} {'chunk':>5} {'op':<4} {'kvtier':>8} {'ceiling':>8} {'twokey':>8} "
-          f"{'x ceil':>7} {'x 2key':>7}   (GB/s)")
+    print(
+        f"{'target':<10} {'chunk':>5} {'op':<4} {'kvtier':>8} {'ceiling':>8} {'twokey':>8} "
+        f"{'x ceil':>7} {'x 2key':>7}   (GB/s)"
+    )
     for r in rows:
-        print(f"{r['target']:<10} {r['chunk_tokens']:>5} {r['op']:<4} {r['kvtier_GBps']:>8.3f} "
-              f"{r['ceiling_GBps']:>8.3f} "
-              f"{r['twokey_GBps']:>8.3f} {r['vs_ceiling']:>7.2f} {r['vs_twokey']:>7.2f}")
-    write_json(args.json_out, envelope("redis", rows, geometry=geometry,
-                                       targets={"vs_ceiling": 0.8, "vs_twokey": 1.5}))
+        print(
+            f"{r['target']:<10} {r['chunk_tokens']:>5} {r['op']:<4} {r['kvtier_GBps']:>8.3f} "
+            f"{r['ceiling_GBps']:>8.3f} "
+            f"{r['twokey_GBps']:>8.3f} {r['vs_ceiling']:>7.2f} {r['vs_twokey']:>7.2f}"
+        )
+    write_json(
+        args.json_out,
+        envelope("redis", rows, geometry=geometry, targets={"vs_ceiling": 0.8, "vs_twokey": 1.5}),
+    )
     return 0
 
 

@@ -83,10 +83,24 @@ class RedisServer:
 
         self.workdir.mkdir(parents=True, exist_ok=True)
         cmd = [
-            self.server_bin, "--port", str(self.port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
-            "--protected-mode", "no", "--enable-debug-command", "local",
-            "--logfile", str(self.workdir / f"redis-{self.port}.log"), *self.args,
+            self.server_bin,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.workdir),
+            "--protected-mode",
+            "no",
+            "--enable-debug-command",
+            "local",
+            "--logfile",
+            str(self.workdir / f"redis-{self.port}.log"),
+            *self.args,
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -137,11 +151,15 @@ class RedisClusterProcs:
             RedisServer(
                 workdir / f"node{i}",
                 args=(
-                    "--cluster-enabled", "yes",
-                    "--cluster-config-file", "nodes.conf",
-                    "--cluster-node-timeout", "5000",  # a loaded 2-core box stalls for seconds
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "5000",  # a loaded 2-core box stalls for seconds
                     # Live masters keep serving their slots while another is down.
-                    "--cluster-require-full-coverage", "no",
+                    "--cluster-require-full-coverage",
+                    "no",
                 ),
             )
             for i in range(masters)
@@ -157,9 +175,18 @@ class RedisClusterProcs:
                 s.start()
             cli = self.servers[0].cli_bin
             subprocess.run(
-                [cli, "--cluster", "create", *self.seeds,
-                 "--cluster-replicas", "0", "--cluster-yes"],
-                check=True, capture_output=True, timeout=60,
+                [
+                    cli,
+                    "--cluster",
+                    "create",
+                    *self.seeds,
+                    "--cluster-replicas",
+                    "0",
+                    "--cluster-yes",
+                ],
+                check=True,
+                capture_output=True,
+                timeout=60,
             )
             deadline = time.monotonic() + START_TIMEOUT_S
             while not all(self._state_ok(s) for s in self.servers):

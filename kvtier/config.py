@@ -369,8 +369,7 @@ def _validate(cfg: KVTierConfig) -> None:
 
 
 def _validate_placement(p: PlacementConfig) -> None:
-    for name in ("value_of_latency_per_s", "gpu_cost_per_hour", "recompute_s",
-                 "write_budget_dwpd"):
+    for name in ("value_of_latency_per_s", "gpu_cost_per_hour", "recompute_s", "write_budget_dwpd"):
         v = getattr(p, name)
         if not v >= 0 or v == float("inf"):
             raise ConfigError(f"placement.{name}", v, "a finite number >= 0")
@@ -383,8 +382,9 @@ def _validate_placement(p: PlacementConfig) -> None:
     if p.context_tokens < 0:
         raise ConfigError("placement.context_tokens", p.context_tokens, "an integer >= 0")
     if not 60 <= p.write_budget_window_s <= 86400:
-        raise ConfigError("placement.write_budget_window_s", p.write_budget_window_s,
-                          "in [60, 86400] seconds")
+        raise ConfigError(
+            "placement.write_budget_window_s", p.write_budget_window_s, "in [60, 86400] seconds"
+        )
 
 
 _TENANT_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")

@@ -181,25 +181,27 @@ def report(
     tiers: list[dict[str, Any]] = []
     for spec, cap in zip(hw.tiers, capacities, strict=True):
         t = by_name.get(spec.name)
-        tiers.append({
-            "name": spec.name,
-            "medium": spec.medium.value,
-            "capacity_bytes": int(cap),
-            "hit_rate": t.hit_rate if t else 0.0,
-            "bytes_written_per_day": t.writes_per_day if t else 0.0,
-            "wear_pct_per_year": t.wear_pct_per_year if t else None,
-            "rated_wear_pct_per_year": 100.0 / spec.warranty_years if spec.wears else None,
-            "write_budget_bytes_per_day": (
-                spec.write_budget_Bps(cap) * 86400 if spec.wears else None
-            ),
-            "cost_per_month": t.cost_per_month if t else 0.0,
-            "latency_s": spec.latency_s,
-            "p99_latency_s": spec.p99_latency_s,
-            "bandwidth_Bps": spec.bandwidth_Bps,
-            "seed_cost_per_gb_month": seed_cost_per_gb_month(
-                spec.latency_s * 1e6, spec.bandwidth_Bps / 1e9, spec.power_w
-            ),
-        })
+        tiers.append(
+            {
+                "name": spec.name,
+                "medium": spec.medium.value,
+                "capacity_bytes": int(cap),
+                "hit_rate": t.hit_rate if t else 0.0,
+                "bytes_written_per_day": t.writes_per_day if t else 0.0,
+                "wear_pct_per_year": t.wear_pct_per_year if t else None,
+                "rated_wear_pct_per_year": 100.0 / spec.warranty_years if spec.wears else None,
+                "write_budget_bytes_per_day": (
+                    spec.write_budget_Bps(cap) * 86400 if spec.wears else None
+                ),
+                "cost_per_month": t.cost_per_month if t else 0.0,
+                "latency_s": spec.latency_s,
+                "p99_latency_s": spec.p99_latency_s,
+                "bandwidth_Bps": spec.bandwidth_Bps,
+                "seed_cost_per_gb_month": seed_cost_per_gb_month(
+                    spec.latency_s * 1e6, spec.bandwidth_Bps / 1e9, spec.power_w
+                ),
+            }
+        )
     present = [(spec, cap) for spec, cap in zip(hw.tiers, capacities, strict=True) if cap > 0]
     cxl = [s for s, _ in present if s.medium is Medium.CXL]
     mem = cxl or [s for s, _ in present if s.medium is Medium.DRAM] or [hw.tiers[0]]
@@ -232,7 +234,7 @@ def report(
         "ssd_wear_pct_per_year": r.ssd_wear_pct_per_year,
         "seed_thresholds": {
             "note": "the seed's CXL-SSD model: a calibration from one benchmark suite, in its "
-                    "own units (latency us, bandwidth GB/s, power W), not physics",
+            "own units (latency us, bandwidth GB/s, power W), not physics",
             "checks": [
                 {
                     "scenario": c.scenario,
@@ -259,8 +261,12 @@ def report(
     return out
 
 
-_KIND_OF_MEDIUM = {Medium.DRAM: "host", Medium.CXL: "cxl", Medium.SSD: "nvme",
-                   Medium.REMOTE: "redis"}
+_KIND_OF_MEDIUM = {
+    Medium.DRAM: "host",
+    Medium.CXL: "cxl",
+    Medium.SSD: "nvme",
+    Medium.REMOTE: "redis",
+}
 
 
 def _toml(value: object) -> str:
@@ -298,8 +304,10 @@ def plan_config(
     chunk = model.kv.chunk_bytes(trace.block_tokens)
     kept = [(spec, cap) for spec, cap in zip(hw.tiers, capacities, strict=True) if cap >= chunk]
     if not kept:
-        raise InputError("the plan keeps no tier (every capacity is 0): no configuration to "
-                         "write; pin one with --capacity TIER=SIZE")
+        raise InputError(
+            "the plan keeps no tier (every capacity is 0): no configuration to "
+            "write; pin one with --capacity TIER=SIZE"
+        )
     sim = SimConfig(model, hw, tuple(capacities), policy=policy)
     rc = Recompute(model, hw.gpu)
     ssd = [spec for spec, _ in kept if spec.wears]
@@ -336,12 +344,19 @@ def plan_config(
     ]
     for spec, cap in kept:
         kind = _KIND_OF_MEDIUM[spec.medium]
-        lines += ["", "[[tiers]]", f"kind = {_toml(kind)}", f"name = {_toml(spec.name)}",
-                  f"capacity_bytes = {int(cap)}"]
+        lines += [
+            "",
+            "[[tiers]]",
+            f"kind = {_toml(kind)}",
+            f"name = {_toml(spec.name)}",
+            f"capacity_bytes = {int(cap)}",
+        ]
         if kind == "nvme":
-            lines += ["# Slab files go here: a directory on the SSD this plan prices.",
-                      f"dir = {_toml(nvme_dir)}", "create_dirs = true"]
+            lines += [
+                "# Slab files go here: a directory on the SSD this plan prices.",
+                f"dir = {_toml(nvme_dir)}",
+                "create_dirs = true",
+            ]
         elif kind == "redis":
-            lines += ["# The shared Redis this plan prices.",
-                      'url = "redis://127.0.0.1:6379/0"']
+            lines += ["# The shared Redis this plan prices.", 'url = "redis://127.0.0.1:6379/0"']
     return "\n".join(lines) + "\n"

@@ -34,14 +34,19 @@ def hit_rate_vs_capacity(
     fig, axes = plt.subplots(1, len(tier_names), figsize=(5 * len(tier_names), 4), squeeze=False)
     for i, name in enumerate(tier_names):
         ax = axes[0][i]
-        same = [(c, r) for c, r in points
-                if all(c[j] == best[j] for j in range(len(best)) if j != i)]
+        same = [
+            (c, r) for c, r in points if all(c[j] == best[j] for j in range(len(best)) if j != i)
+        ]
         pts = same if len(same) >= 2 else list(points)
         pts.sort(key=lambda p: p[0][i])
         xs = [c[i] / 1e9 for c, _ in pts]
         ax.plot(xs, [r.hit_rate for _, r in pts], "o-", label="all tiers")
-        ax.plot(xs, [next((t.hit_rate for t in r.tiers if t.name == name), 0.0) for _, r in pts],
-                "s--", label=f"served from {name}")
+        ax.plot(
+            xs,
+            [next((t.hit_rate for t in r.tiers if t.name == name), 0.0) for _, r in pts],
+            "s--",
+            label=f"served from {name}",
+        )
         ax.axvline(best[i] / 1e9, color="grey", lw=0.8, ls=":")
         ax.set_xlabel(f"{name} capacity (GB)")
         ax.set_ylabel("chunk hit rate")
@@ -96,25 +101,50 @@ def frontier_figure(
         (axes[1], "TTFT p99 (s)", _p99),
     )
     for ax, label, get in panels:
-        ax.scatter([r.cost_per_month for _, r in points], [get(r) for _, r in points], s=18,
-                   alpha=0.6, label="configurations")
+        ax.scatter(
+            [r.cost_per_month for _, r in points],
+            [get(r) for _, r in points],
+            s=18,
+            alpha=0.6,
+            label="configurations",
+        )
         frontier: list[SimResult] = []
         for _, r in sorted(points, key=lambda p: (p[1].cost_per_month, get(p[1]))):
             if not frontier or get(r) < get(frontier[-1]):
                 frontier.append(r)
         # Markers too: a frontier of one point is otherwise an invisible line.
-        ax.step([r.cost_per_month for r in frontier], [get(r) for r in frontier], "r-",
-                where="post", marker="o", ms=5, label="frontier")
+        ax.step(
+            [r.cost_per_month for r in frontier],
+            [get(r) for r in frontier],
+            "r-",
+            where="post",
+            marker="o",
+            ms=5,
+            label="frontier",
+        )
         if slo_s is not None:
-            ax.axhline(slo_s, color="tab:orange", ls="--", lw=1.2,
-                       label=f"TTFT p99 SLO {slo_s:g} s")
+            ax.axhline(
+                slo_s, color="tab:orange", ls="--", lw=1.2, label=f"TTFT p99 SLO {slo_s:g} s"
+            )
         if budget_per_month is not None:
-            ax.axvline(budget_per_month, color="tab:orange", ls="--", lw=1.2,
-                       label=f"budget ${budget_per_month:,.0f}/month")
+            ax.axvline(
+                budget_per_month,
+                color="tab:orange",
+                ls="--",
+                lw=1.2,
+                label=f"budget ${budget_per_month:,.0f}/month",
+            )
         for c, r in points:
             if c == best:
-                ax.scatter([r.cost_per_month], [get(r)], s=90, marker="*", color="k",
-                           label="chosen", zorder=3)
+                ax.scatter(
+                    [r.cost_per_month],
+                    [get(r)],
+                    s=90,
+                    marker="*",
+                    color="k",
+                    label="chosen",
+                    zorder=3,
+                )
                 break
         ax.set_xlabel("total cost ($/month)")
         ax.set_ylabel(label)

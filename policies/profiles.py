@@ -70,8 +70,15 @@ class TierSpec:
     write_headroom: float = 0.8
 
     def __post_init__(self) -> None:
-        for f in ("latency_s", "p99_latency_s", "half_bandwidth_bytes", "cost_per_gb_month",
-                  "endurance_dwpd", "device_bytes", "power_w"):
+        for f in (
+            "latency_s",
+            "p99_latency_s",
+            "half_bandwidth_bytes",
+            "cost_per_gb_month",
+            "endurance_dwpd",
+            "device_bytes",
+            "power_w",
+        ):
             if getattr(self, f) < 0:
                 raise ConfigError(f"tiers.{self.name}.{f}", getattr(self, f), "a number >= 0")
         if self.bandwidth_Bps <= 0:
@@ -123,8 +130,9 @@ class TierSpec:
 
     def to_tier_profile(self) -> TierProfile:
         """The core's :class:`TierProfile` for a simulated tier of this spec."""
-        return TierProfile(self.latency_s, self.bandwidth_Bps, self.cost_per_gb_month,
-                           self.endurance_dwpd)
+        return TierProfile(
+            self.latency_s, self.bandwidth_Bps, self.cost_per_gb_month, self.endurance_dwpd
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,26 +184,63 @@ class Hardware:
 H200 = GPUSpec("H200 SXM", peak_flops=989e12, mfu=0.5, cost_per_hour=3.5)
 
 DDR5_HOST = TierSpec(
-    "host", Medium.DRAM, latency_s=10e-6, p99_latency_s=20e-6, bandwidth_Bps=55e9,
-    half_bandwidth_bytes=128 * KiB, cost_per_gb_month=0.20, device_bytes=64e9, power_w=6.0,
+    "host",
+    Medium.DRAM,
+    latency_s=10e-6,
+    p99_latency_s=20e-6,
+    bandwidth_Bps=55e9,
+    half_bandwidth_bytes=128 * KiB,
+    cost_per_gb_month=0.20,
+    device_bytes=64e9,
+    power_w=6.0,
 )
 CXL2_EXPANDER = TierSpec(
-    "cxl", Medium.CXL, latency_s=12e-6, p99_latency_s=22e-6, bandwidth_Bps=64e9,
-    half_bandwidth_bytes=128 * KiB, cost_per_gb_month=0.15, device_bytes=256e9, power_w=25.0,
+    "cxl",
+    Medium.CXL,
+    latency_s=12e-6,
+    p99_latency_s=22e-6,
+    bandwidth_Bps=64e9,
+    half_bandwidth_bytes=128 * KiB,
+    cost_per_gb_month=0.15,
+    device_bytes=256e9,
+    power_w=25.0,
 )
 NVME_GEN5_TLC = TierSpec(
-    "nvme", Medium.SSD, latency_s=80e-6, p99_latency_s=250e-6, bandwidth_Bps=14e9,
-    half_bandwidth_bytes=1024 * KiB, cost_per_gb_month=0.0025, endurance_dwpd=1.0,
-    warranty_years=5.0, device_bytes=7.68e12, power_w=25.0,
+    "nvme",
+    Medium.SSD,
+    latency_s=80e-6,
+    p99_latency_s=250e-6,
+    bandwidth_Bps=14e9,
+    half_bandwidth_bytes=1024 * KiB,
+    cost_per_gb_month=0.0025,
+    endurance_dwpd=1.0,
+    warranty_years=5.0,
+    device_bytes=7.68e12,
+    power_w=25.0,
 )
 NVME_GEN5_QLC = TierSpec(
-    "nvme", Medium.SSD, latency_s=120e-6, p99_latency_s=500e-6, bandwidth_Bps=12e9,
-    half_bandwidth_bytes=2048 * KiB, cost_per_gb_month=0.0012, endurance_dwpd=0.3,
-    warranty_years=5.0, device_bytes=61.44e12, power_w=25.0,
+    "nvme",
+    Medium.SSD,
+    latency_s=120e-6,
+    p99_latency_s=500e-6,
+    bandwidth_Bps=12e9,
+    half_bandwidth_bytes=2048 * KiB,
+    cost_per_gb_month=0.0012,
+    endurance_dwpd=0.3,
+    warranty_years=5.0,
+    device_bytes=61.44e12,
+    power_w=25.0,
 )
 REDIS_100GBE = TierSpec(
-    "redis", Medium.REMOTE, latency_s=60e-6, p99_latency_s=300e-6, bandwidth_Bps=10e9,
-    half_bandwidth_bytes=512 * KiB, cost_per_gb_month=0.35, device_bytes=512e9, power_w=400.0,
+    "redis",
+    Medium.REMOTE,
+    latency_s=60e-6,
+    p99_latency_s=300e-6,
+    bandwidth_Bps=10e9,
+    half_bandwidth_bytes=512 * KiB,
+    cost_per_gb_month=0.35,
+    device_bytes=512e9,
+    power_w=400.0,
 )
 
 TIER_PRESETS: dict[str, TierSpec] = {
@@ -289,8 +334,11 @@ def _hardware_from_dict(raw: dict[str, Any], where: str) -> Hardware:
                     raise ConfigError(f"{at}.medium", value, "dram, cxl, ssd or remote") from None
             else:
                 base[key] = _number(value, f"{at}.{key}")
-        missing = names - set(base) - {"endurance_dwpd", "warranty_years", "device_bytes",
-                                       "power_w", "write_headroom"}
+        missing = (
+            names
+            - set(base)
+            - {"endurance_dwpd", "warranty_years", "device_bytes", "power_w", "write_headroom"}
+        )
         if missing:
             raise ConfigError(f"{at}", sorted(missing), "these fields, or a preset")
         tiers.append(TierSpec(**base))

@@ -37,7 +37,8 @@ def seed_cost_per_gb_month(latency_us: float, bandwidth_gbps: float, power_w: fl
     if bandwidth_gbps <= 0:
         raise InputError(f"bandwidth_gbps={bandwidth_gbps} must be > 0")
     return float(
-        SEED_LATENCY_COEFF * float(latency_us) ** SEED_LATENCY_EXPONENT
+        SEED_LATENCY_COEFF
+        * float(latency_us) ** SEED_LATENCY_EXPONENT
         / (bandwidth_gbps * SEED_BANDWIDTH_EFFICIENCY)
         + SEED_POWER_COEFF * power_w
     )
@@ -99,15 +100,19 @@ def check_seed(
     """
     out = []
     for s in SEED_MATRIX:
-        out.append(SeedCheck(
-            scenario=s.name,
-            p99_latency_us=p99_latency_us,
-            p99_ok=p99_latency_us <= s.p99_latency_us_max,
-            cxl_bandwidth_gbps=cxl_bandwidth_gbps,
-            bandwidth_ok=None if cxl_bandwidth_gbps is None
-            else cxl_bandwidth_gbps >= s.cxl_bandwidth_gbps_min,
-            ssd_wear_pct_per_year=ssd_wear_pct_per_year,
-            wear_ok=None if ssd_wear_pct_per_year is None
-            else ssd_wear_pct_per_year <= s.ssd_wear_pct_per_year_max,
-        ))
+        out.append(
+            SeedCheck(
+                scenario=s.name,
+                p99_latency_us=p99_latency_us,
+                p99_ok=p99_latency_us <= s.p99_latency_us_max,
+                cxl_bandwidth_gbps=cxl_bandwidth_gbps,
+                bandwidth_ok=None
+                if cxl_bandwidth_gbps is None
+                else cxl_bandwidth_gbps >= s.cxl_bandwidth_gbps_min,
+                ssd_wear_pct_per_year=ssd_wear_pct_per_year,
+                wear_ok=None
+                if ssd_wear_pct_per_year is None
+                else ssd_wear_pct_per_year <= s.ssd_wear_pct_per_year_max,
+            )
+        )
     return tuple(out)

@@ -186,11 +186,15 @@ def build(
         geometry = TierGeometry(spec.name, slots * STAND_IN_BYTES, STAND_IN_BYTES, 1 << 40)
         tiers.append(MetaTier(geometry, spec.to_tier_profile()))
     if not tiers:
-        raise InputError("no tier has room for one chunk of "
-                         f"{chunk_bytes} B; raise the capacities")
+        raise InputError(f"no tier has room for one chunk of {chunk_bytes} B; raise the capacities")
     placement, eviction = make_policies(cfg, trace, specs, caps, clock, STAND_IN_BYTES)
-    store = TieredStore(tiers, eviction=eviction, placement=placement, io_threads=0,
-                        promote_on_hit=cfg.promote_on_hit)
+    store = TieredStore(
+        tiers,
+        eviction=eviction,
+        placement=placement,
+        io_threads=0,
+        promote_on_hit=cfg.promote_on_hit,
+    )
     return store, specs, placement
 
 
@@ -257,8 +261,9 @@ def simulate(cfg: SimConfig, trace: Trace) -> SimResult:
                 if hits:
                     store.get(keys[:hits], view[: hits * STAND_IN_BYTES]).result()
                 if hits < n:
-                    store.put(keys[hits:], view[: (n - hits) * STAND_IN_BYTES],
-                              prefix=keys[:hits]).result()
+                    store.put(
+                        keys[hits:], view[: (n - hits) * STAND_IN_BYTES], prefix=keys[:hits]
+                    ).result()
             cached = min(hits * bt, r.input_tokens)
             compute = rc.prefill_s(r.input_tokens, cached)
             load = sum(load_s[t][k] for t, k in enumerate(per_tier) if k)
@@ -273,17 +278,30 @@ def simulate(cfg: SimConfig, trace: Trace) -> SimResult:
         st = store.stats()
     finally:
         store.close()
-    res = _result(cfg, trace, specs, st, chunk_bytes, chunks, hit_tokens, tokens, gpu_s,
-                  ttft, base, wall, rc)
+    res = _result(
+        cfg, trace, specs, st, chunk_bytes, chunks, hit_tokens, tokens, gpu_s, ttft, base, wall, rc
+    )
     res = replace(res, cpu_s=cpu)
     if isinstance(placement, CostAwarePlacement):
         res = replace(res, placement=placement.stats(), reuse=placement.tracker.stats())
     return res
 
 
-def _result(cfg: SimConfig, trace: Trace, specs: Sequence[TierSpec], st: object, chunk_bytes: int,
-            chunks: int, hit_tokens: int, tokens: int, gpu_s: float, ttft: npt.NDArray[Any],
-            base: npt.NDArray[Any], wall: float, rc: Recompute) -> SimResult:
+def _result(
+    cfg: SimConfig,
+    trace: Trace,
+    specs: Sequence[TierSpec],
+    st: object,
+    chunk_bytes: int,
+    chunks: int,
+    hit_tokens: int,
+    tokens: int,
+    gpu_s: float,
+    ttft: npt.NDArray[Any],
+    base: npt.NDArray[Any],
+    wall: float,
+    rc: Recompute,
+) -> SimResult:
     from kvtier.store.types import StoreStats
 
     assert isinstance(st, StoreStats)
@@ -316,25 +334,47 @@ def _result(cfg: SimConfig, trace: Trace, specs: Sequence[TierSpec], st: object,
             ssd_wear = (ssd_wear or 0.0) + (wear or 0.0)
         storage += cost
         h = hits.get(spec.name, 0)
-        tier_results.append(TierResult(
-            name=spec.name, medium=spec.medium.value, capacity_bytes=int(cap), hit_chunks=h,
-            hit_rate=h / chunks if chunks else 0.0, bytes_written=written,
-            bytes_read=ts.bytes_read * scale, writes_per_day=day,
-            wear_pct_per_year=wear, cost_per_month=cost,
-        ))
+        tier_results.append(
+            TierResult(
+                name=spec.name,
+                medium=spec.medium.value,
+                capacity_bytes=int(cap),
+                hit_chunks=h,
+                hit_rate=h / chunks if chunks else 0.0,
+                bytes_written=written,
+                bytes_read=ts.bytes_read * scale,
+                writes_per_day=day,
+                wear_pct_per_year=wear,
+                cost_per_month=cost,
+            )
+        )
     gpu_cost = gpu_s * rc.cost_per_s * per_month
     hit_chunks = sum(t.hit_chunks for t in tier_results)
     return SimResult(
-        trace=trace.name, policy=cfg.policy, requests=len(trace.requests), chunks=chunks,
-        hit_chunks=hit_chunks, hit_rate=hit_chunks / chunks if chunks else 0.0,
-        token_hit_rate=hit_tokens / tokens if tokens else 0.0, tiers=tuple(tier_results),
-        ttft_p50_s=float(np.percentile(ttft, 50)), ttft_p90_s=float(np.percentile(ttft, 90)),
-        ttft_p99_s=float(np.percentile(ttft, 99)), ttft_mean_s=float(ttft.mean()),
+        trace=trace.name,
+        policy=cfg.policy,
+        requests=len(trace.requests),
+        chunks=chunks,
+        hit_chunks=hit_chunks,
+        hit_rate=hit_chunks / chunks if chunks else 0.0,
+        token_hit_rate=hit_tokens / tokens if tokens else 0.0,
+        tiers=tuple(tier_results),
+        ttft_p50_s=float(np.percentile(ttft, 50)),
+        ttft_p90_s=float(np.percentile(ttft, 90)),
+        ttft_p99_s=float(np.percentile(ttft, 99)),
+        ttft_mean_s=float(ttft.mean()),
         recompute_ttft_p50_s=float(np.percentile(base, 50)),
         recompute_ttft_p99_s=float(np.percentile(base, 99)),
-        gpu_prefill_s=gpu_s, storage_cost_per_month=storage, gpu_cost_per_month=gpu_cost,
-        cost_per_month=storage + gpu_cost, ssd_bytes_written=ssd_written,
-        ssd_wear_pct_per_year=ssd_wear, wall_s=wall, cpu_s=wall,
+        gpu_prefill_s=gpu_s,
+        storage_cost_per_month=storage,
+        gpu_cost_per_month=gpu_cost,
+        cost_per_month=storage + gpu_cost,
+        ssd_bytes_written=ssd_written,
+        ssd_wear_pct_per_year=ssd_wear,
+        wall_s=wall,
+        cpu_s=wall,
         requests_per_s=len(trace.requests) / wall if wall > 0 else float("inf"),
-        placement=None, reuse=None, ttft_s=ttft,
+        placement=None,
+        reuse=None,
+        ttft_s=ttft,
     )

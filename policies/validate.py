@@ -94,15 +94,18 @@ def validate(
     if len(slots) != 2 or min(slots) < 1:
         raise KVTierError(f"validation needs two tiers with room, got {slots} chunks")
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        host = HostTier(TierGeometry("host", slots[0] * value_bytes, value_bytes, MAX_EXTENT),
-                        HostOptions(pin=Switch.OFF))
+        host = HostTier(
+            TierGeometry("host", slots[0] * value_bytes, value_bytes, MAX_EXTENT),
+            HostOptions(pin=Switch.OFF),
+        )
         lower, kind = _lower_tier(lower_kind, slots[1] * value_bytes, value_bytes, Path(tmp))
         now = [trace.requests[0].t_s]
         specs = list(cfg.hardware.tiers)
         caps = [s * chunk_bytes for s in slots]
         placement, eviction = make_policies(cfg, trace, specs, caps, lambda: now[0], value_bytes)
-        store = TieredStore([host, lower], eviction=eviction, placement=placement,
-                            promote_on_hit=cfg.promote_on_hit)
+        store = TieredStore(
+            [host, lower], eviction=eviction, placement=placement, promote_on_hit=cfg.promote_on_hit
+        )
         verified = bad = chunks = 0
         try:
             for r in trace.requests:
@@ -133,5 +136,6 @@ def validate(
     measured = tuple((name, n / chunks if chunks else 0.0) for name, n in st.tier_hits)
     predicted = tuple((t.name, t.hit_rate) for t in sim.tiers)
     diff = max(abs(p - m) for (_, p), (_, m) in zip(predicted, measured, strict=True)) * 100
-    return Validation(cfg.policy, kind, len(trace.requests), chunks, predicted, measured,
-                      diff, verified, bad)
+    return Validation(
+        cfg.policy, kind, len(trace.requests), chunks, predicted, measured, diff, verified, bad
+    )

@@ -34,14 +34,24 @@ def spec_of(tier: Tier) -> TierSpec:
     p = tier.profile
     medium = Medium.SSD if p.endurance_dwpd > 0 else Medium.DRAM
     return TierSpec(
-        name=tier.name, medium=medium, latency_s=p.latency_s, p99_latency_s=2 * p.latency_s,
-        bandwidth_Bps=p.bandwidth_Bps, half_bandwidth_bytes=128 * 1024,
-        cost_per_gb_month=p.cost_per_gb_month, endurance_dwpd=p.endurance_dwpd,
+        name=tier.name,
+        medium=medium,
+        latency_s=p.latency_s,
+        p99_latency_s=2 * p.latency_s,
+        bandwidth_Bps=p.bandwidth_Bps,
+        half_bandwidth_bytes=128 * 1024,
+        cost_per_gb_month=p.cost_per_gb_month,
+        endurance_dwpd=p.endurance_dwpd,
     )
 
 
-_MEDIUM_OF_KIND = {"host": Medium.DRAM, "gpu": Medium.DRAM, "cxl": Medium.CXL,
-                   "nvme": Medium.SSD, "redis": Medium.REMOTE}
+_MEDIUM_OF_KIND = {
+    "host": Medium.DRAM,
+    "gpu": Medium.DRAM,
+    "cxl": Medium.CXL,
+    "nvme": Medium.SSD,
+    "redis": Medium.REMOTE,
+}
 
 
 def priced_specs(tiers: Sequence[Tier], hardware: str) -> list[TierSpec]:
@@ -79,13 +89,22 @@ def compute_of(settings: PlacementConfig, kv: KVSpec) -> ModelCompute:
         try:
             return model_compute(settings.model, gpus=gpus)
         except SpecError as exc:
-            raise ConfigError("placement.model", settings.model, f"a model preset or "
-                              f"config.json ({exc})") from exc
+            raise ConfigError(
+                "placement.model", settings.model, f"a model preset or config.json ({exc})"
+            ) from exc
     # A dense model whose active parameters match a Llama-3-8B per KV byte.
     base = COMPUTE_PRESETS["llama-3-8b"]
     scale = kv.bytes_per_token / base.kv_bytes_per_token
-    return ModelCompute("assumed", kv, base.active_params * scale, base.layers, base.q_heads,
-                        base.d_qk, base.d_v, gpus or 1)
+    return ModelCompute(
+        "assumed",
+        kv,
+        base.active_params * scale,
+        base.layers,
+        base.q_heads,
+        base.d_qk,
+        base.d_v,
+        gpus or 1,
+    )
 
 
 def placement_for_tiers(
@@ -110,8 +129,9 @@ def placement_for_tiers(
     """
     s = settings or PlacementConfig()
     model = compute_of(s, kv)
-    gpu = GPUSpec("configured", peak_flops=s.gpu_peak_flops, mfu=s.gpu_mfu,
-                  cost_per_hour=s.gpu_cost_per_hour)
+    gpu = GPUSpec(
+        "configured", peak_flops=s.gpu_peak_flops, mfu=s.gpu_mfu, cost_per_hour=s.gpu_cost_per_hour
+    )
     rc = Recompute(model, gpu)
     chunk_bytes = kv.chunk_bytes(chunk_tokens)
     econ = Economics(

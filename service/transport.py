@@ -28,7 +28,6 @@ import httpx
 _READ_PIECE = 4 * 1024 * 1024
 
 
-
 class Sink(Protocol):
     """Takes a 200 body as it arrives (:class:`~kvtier.service.protocol.BatchSink`)."""
 
@@ -41,6 +40,7 @@ class Sink(Protocol):
 
     def wrote(self, nbytes: int) -> None:
         """``nbytes`` were received into the last :meth:`window`."""
+
 
 class _Conn(http.client.HTTPConnection):
     def connect(self) -> None:

@@ -21,7 +21,11 @@ from kvtier.bench import redis_procs as local
 from kvtier.bench.redis_procs import RedisClusterProcs, RedisServer, free_port
 
 __all__ = [
-    "RedisClusterProcs", "RedisServer", "free_port", "session_cluster", "session_server",
+    "RedisClusterProcs",
+    "RedisServer",
+    "free_port",
+    "session_cluster",
+    "session_server",
     "stop_session",
 ]
 

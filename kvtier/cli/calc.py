@@ -70,9 +70,19 @@ def _capacities(items: list[str], names: list[str], flag: str) -> dict[str, list
 
 
 def _load_inputs(
-    model: str, hardware: str, trace: str | None, limit: int | None, synthetic_requests: int,
-    rate: float, conversations: int, turn_tokens: int, system_tokens: int, policy: str,
-    json_out: Path | None, plots: Path | None, gpus: int | None,
+    model: str,
+    hardware: str,
+    trace: str | None,
+    limit: int | None,
+    synthetic_requests: int,
+    rate: float,
+    conversations: int,
+    turn_tokens: int,
+    system_tokens: int,
+    policy: str,
+    json_out: Path | None,
+    plots: Path | None,
+    gpus: int | None,
 ) -> _Inputs:
     from kvtier.policies.profiles import load_hardware
     from kvtier.policies.recompute import model_compute
@@ -87,12 +97,17 @@ def _load_inputs(
         tr = load_trace(trace, limit=limit)
     else:
         tr = SyntheticWorkload(
-            requests=synthetic_requests, rate_per_s=rate, conversations=conversations,
-            turn_tokens=turn_tokens, system_prompt_tokens=system_tokens,
+            requests=synthetic_requests,
+            rate_per_s=rate,
+            conversations=conversations,
+            turn_tokens=turn_tokens,
+            system_prompt_tokens=system_tokens,
         ).build()
     return _Inputs(m, hw, tr, policy, json_out, plots)
 
 
+# A typer option per line, its noqa beside it: kept as written, not wrapped.
+# fmt: off
 @calc_app.callback()
 def calc(
     ctx: typer.Context,
@@ -116,6 +131,7 @@ def calc(
     write_config: Annotated[Optional[Path], typer.Option("--write-config", help="Write the chosen plan as a kvtier TOML config (for kvtier serve --config or the connector's config_file).")] = None,  # noqa: UP045
     nvme_dir: Annotated[str, typer.Option(help="With --write-config: directory of the nvme tier's slab files.")] = "/var/lib/kvtier/nvme",
 ) -> None:
+# fmt: on
     """Recommend capacities per tier for a workload: hit rates, TTFT, $/month, SSD wear.
 
     Exit status 1 when --slo or --budget is given and no configuration searched meets it
@@ -182,6 +198,7 @@ def calc(
         raise typer.Exit(1)
 
 
+# fmt: off
 @calc_app.command()
 def sweep(
     ctx: typer.Context,
@@ -189,6 +206,7 @@ def sweep(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write every point as JSON.")] = None,  # noqa: UP045
     plots: Annotated[Optional[Path], typer.Option(help="Directory for PNG plots.")] = None,  # noqa: UP045
 ) -> None:
+# fmt: on
     """Simulate a grid of capacities, with a progress bar; table, JSON and plots."""
     from rich.progress import track
 

@@ -143,7 +143,9 @@ def serve(
     try:
         from kvtier.service.server import serve as run_server
     except ImportError as exc:
-        print_error(console, f"the daemon needs the service extra: pip install 'kvtier[service]' ({exc})")
+        print_error(
+            console, f"the daemon needs the service extra: pip install 'kvtier[service]' ({exc})"
+        )
         raise typer.Exit(2) from None
     run_server(cfg)
 
@@ -154,9 +156,7 @@ def serve(
 def bench(
     ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="Benchmark: fragmentation, host, keys, ...")],
-    json_out: Annotated[
-        Path | None, typer.Option("--json", help="Write results as JSON.")
-    ] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
 ) -> None:
     """Run a benchmark from kvtier.bench; extra arguments go to the benchmark.
 

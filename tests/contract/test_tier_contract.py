@@ -104,7 +104,10 @@ def test_wrong_buffer_size_is_refused(make_tier) -> None:
     with pytest.raises(InputError):
         tier.write(run, memoryview(bytes(SLOT - 1)))
     with pytest.raises(InputError):
-        tier.write(SlotRun(e.offset, (key(1),), tier.slot_bytes + 1), memoryview(bytes(tier.slot_bytes + 1)))
+        tier.write(
+            SlotRun(e.offset, (key(1),), tier.slot_bytes + 1),
+            memoryview(bytes(tier.slot_bytes + 1)),
+        )
 
 
 def test_concurrent_disjoint_writes(make_tier) -> None:
@@ -112,7 +115,9 @@ def test_concurrent_disjoint_writes(make_tier) -> None:
     runs = []
     for i in range(8):
         (e,) = tier.allocate(4)
-        runs.append((SlotRun(e.offset, tuple(key(i * 10 + j) for j in range(4)), SLOT), rand(4 * SLOT, i)))
+        runs.append(
+            (SlotRun(e.offset, tuple(key(i * 10 + j) for j in range(4)), SLOT), rand(4 * SLOT, i))
+        )
     threads = [threading.Thread(target=tier.write, args=(r, memoryview(d))) for r, d in runs]
     for t in threads:
         t.start()

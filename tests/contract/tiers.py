@@ -30,7 +30,10 @@ def cxl_emulated(tmp: Path, slot: int, cap: int) -> Tier:
     from kvtier.tiers.cxl import CXLTier, Options
 
     # Fast emulated profile so the suite stays quick; the throttle path still runs.
-    return CXLTier(TierGeometry("cxl", cap, slot, MAX_EXTENT), Options(emulate=Switch.ON, latency_us=1.0, bandwidth_gbps=200.0, pin=Switch.OFF))
+    return CXLTier(
+        TierGeometry("cxl", cap, slot, MAX_EXTENT),
+        Options(emulate=Switch.ON, latency_us=1.0, bandwidth_gbps=200.0, pin=Switch.OFF),
+    )
 
 
 def gpu(tmp: Path, slot: int, cap: int) -> Tier:
@@ -48,7 +51,9 @@ def nvme_posix(tmp: Path, slot: int, cap: int) -> Tier:
 
     # tmp_path is on the real disk here; O_DIRECT falls back to buffered I/O (logged)
     # where the filesystem refuses it, and the contract holds either way.
-    return NVMeTier(TierGeometry("nvme", cap, slot, MAX_EXTENT), Options(dir=str(tmp), engine=EngineKind.POSIX))
+    return NVMeTier(
+        TierGeometry("nvme", cap, slot, MAX_EXTENT), Options(dir=str(tmp), engine=EngineKind.POSIX)
+    )
 
 
 def redis_single(tmp: Path, slot: int, cap: int) -> Tier:
@@ -58,7 +63,9 @@ def redis_single(tmp: Path, slot: int, cap: int) -> Tier:
     # One server for the session (tests/conftest.py stops it); a fresh key prefix per
     # tier keeps tests apart on it.
     srv = session_server()
-    return RedisTier(TierGeometry("redis", cap, slot, MAX_EXTENT), Options(url=srv.url, key_prefix=_prefix()))
+    return RedisTier(
+        TierGeometry("redis", cap, slot, MAX_EXTENT), Options(url=srv.url, key_prefix=_prefix())
+    )
 
 
 def redis_cluster(tmp: Path, slot: int, cap: int) -> Tier:
@@ -67,7 +74,8 @@ def redis_cluster(tmp: Path, slot: int, cap: int) -> Tier:
 
     c = session_cluster()
     return RedisTier(
-        TierGeometry("redis-cluster", cap, slot, MAX_EXTENT), Options(cluster_nodes=c.seeds, key_prefix=_prefix())
+        TierGeometry("redis-cluster", cap, slot, MAX_EXTENT),
+        Options(cluster_nodes=c.seeds, key_prefix=_prefix()),
     )
 
 

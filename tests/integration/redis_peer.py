@@ -42,15 +42,23 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chunks", type=int, default=8)
     args = ap.parse_args(argv)
-    cfg = load_config(env={}, base={
-        # A real geometry (Qwen2-7B, one TP-4 shard) with small chunks to keep the test light.
-        "model": {"name": "qwen2-7b", "tp_size": 4},
-        "store": {"chunk_tokens": 16, "io_threads": 2},
-        "tiers": [
-            {"kind": "host", "capacity_bytes": "8MiB", "pin": "off", "prefault": False},
-            {"kind": "redis", "capacity_bytes": "1GiB", "url": args.url, "key_prefix": args.prefix},
-        ],
-    })
+    cfg = load_config(
+        env={},
+        base={
+            # A real geometry (Qwen2-7B, one TP-4 shard) with small chunks to keep the test light.
+            "model": {"name": "qwen2-7b", "tp_size": 4},
+            "store": {"chunk_tokens": 16, "io_threads": 2},
+            "tiers": [
+                {"kind": "host", "capacity_bytes": "8MiB", "pin": "off", "prefault": False},
+                {
+                    "kind": "redis",
+                    "capacity_bytes": "1GiB",
+                    "url": args.url,
+                    "key_prefix": args.prefix,
+                },
+            ],
+        },
+    )
     built = build_store(cfg, tenant="acme", placement=SharedFirst() if args.op == "put" else None)
     tokens = np.random.default_rng(args.seed).integers(0, 150_000, args.chunks * 16)
     keys = built.hasher.keys(tokens)
@@ -63,17 +71,32 @@ def main(argv: list[str]) -> int:
             store.flush()
             # The host tier is this process's: only Redis can give the other peer the bytes.
             redis_bytes = sum(t.bytes_written for t in store.stats().tiers if t.kind == "redis")
-            print(json.dumps({"stored": res.stored, "redis_bytes": redis_bytes,
-                              "sha256": hashlib.sha256(data.tobytes()).hexdigest()}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "stored": res.stored,
+                        "redis_bytes": redis_bytes,
+                        "sha256": hashlib.sha256(data.tobytes()).hexdigest(),
+                    }
+                ),
+                flush=True,
+            )
             sys.stdin.read()
         else:
             found = store.lookup(keys)
             out = np.zeros(len(keys) * chunk, np.uint8)
             got = store.get(keys, out).result()
-            print(json.dumps({"hits": found.hits, "tiers": sorted(set(found.tiers)),
-                              "chunks": got.chunks,
-                              "sha256": hashlib.sha256(out[: got.nbytes].tobytes()).hexdigest()}),
-                  flush=True)
+            print(
+                json.dumps(
+                    {
+                        "hits": found.hits,
+                        "tiers": sorted(set(found.tiers)),
+                        "chunks": got.chunks,
+                        "sha256": hashlib.sha256(out[: got.nbytes].tobytes()).hexdigest(),
+                    }
+                ),
+                flush=True,
+            )
     return 0
 
 

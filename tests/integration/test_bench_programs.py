@@ -46,21 +46,44 @@ runpy.run_module(f"kvtier.bench.{name}", run_name="__main__")
 
 # (benchmark, packages hidden, tiny arguments, the reason it must print)
 WITHOUT = [
-    ("gpu_transfer", "torch", ["--quick"], "skipping every gpu_transfer row: torch is not installed"),
+    (
+        "gpu_transfer",
+        "torch",
+        ["--quick"],
+        "skipping every gpu_transfer row: torch is not installed",
+    ),
     ("nvme_gpu", "torch", ["--sizes", "4", "--repeat", "1"], "skipping every nvme_gpu row: torch"),
     ("redis", "redis", ["--tokens", "256"], "skipping every redis row: redis is not installed"),
-    ("daemon", "redis", ["--same-host-sizes", "", "--soak-s", "0"], "skipping the Redis rows: redis"),
+    (
+        "daemon",
+        "redis",
+        ["--same-host-sizes", "", "--soak-s", "0"],
+        "skipping the Redis rows: redis",
+    ),
     ("daemon", "httpx", [], "skipping every daemon row: httpx is not installed"),
     ("lmcache", "lmcache", [], "skipping every lmcache row: lmcache is not installed"),
     ("vllm_e2e", "vllm", [], "skipping every vllm_e2e row: vllm is not installed"),
     ("vllm_e2e", "vllm", ["--restart"], "skipping every vllm_restart row: vllm"),
     ("vllm_noreuse", "vllm", [], "skipping every vllm_noreuse row: vllm is not installed"),
     ("vllm_restart", "vllm", [], "skipping every vllm_restart row: vllm is not installed"),
-    ("keys", "vllm", ["--tokens", "4096", "--repeat", "1"], "skipping the vLLM baseline rows: vllm"),
-    ("nvme", "aiofiles,lz4", ["--sizes", "4", "--repeat", "1", "--skip-recovery", "--engines",
-                              "posix,aiofiles"], "skipping the aiofiles rows: aiofiles is not"),
-    ("nvme", "lz4", ["--sizes", "4", "--repeat", "1", "--skip-recovery", "--engines", "posix"],
-     "skipping the codec rows: lz4 is not installed"),
+    (
+        "keys",
+        "vllm",
+        ["--tokens", "4096", "--repeat", "1"],
+        "skipping the vLLM baseline rows: vllm",
+    ),
+    (
+        "nvme",
+        "aiofiles,lz4",
+        ["--sizes", "4", "--repeat", "1", "--skip-recovery", "--engines", "posix,aiofiles"],
+        "skipping the aiofiles rows: aiofiles is not",
+    ),
+    (
+        "nvme",
+        "lz4",
+        ["--sizes", "4", "--repeat", "1", "--skip-recovery", "--engines", "posix"],
+        "skipping the codec rows: lz4 is not installed",
+    ),
 ]
 
 
@@ -86,8 +109,22 @@ def test_the_nvme_benchmark_skips_a_missing_engine_with_a_reason(tmp_path: Path)
 
     if kvikio_importable() and libcuda_loads():
         pytest.skip("kvikio runs here: nothing to skip")
-    out = run(*KVTIER, "bench", "nvme", "--dir", str(tmp_path), "--sizes", "4", "--repeat", "1",
-              "--skip-recovery", "--engines", "posix,kvikio", "--json", str(tmp_path / "n.json"))
+    out = run(
+        *KVTIER,
+        "bench",
+        "nvme",
+        "--dir",
+        str(tmp_path),
+        "--sizes",
+        "4",
+        "--repeat",
+        "1",
+        "--skip-recovery",
+        "--engines",
+        "posix,kvikio",
+        "--json",
+        str(tmp_path / "n.json"),
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "skipping kvikio: " in out.stdout
     assert "posix    write" in out.stdout
@@ -127,6 +164,8 @@ def test_the_same_host_floor_is_measured_on_one_cpu_and_on_two_and_leaves_affini
     assert floors["socket_round_trip_floor_us"] and floors["socket_round_trip_floor_us"] > 0
     assert floors["socket_round_trip_one_cpu_us"] and floors["socket_round_trip_one_cpu_us"] > 0
     if len(before) > 1:
-        assert floors["socket_round_trip_two_cpus_us"] and floors["socket_round_trip_two_cpus_us"] > 0
+        assert (
+            floors["socket_round_trip_two_cpus_us"] and floors["socket_round_trip_two_cpus_us"] > 0
+        )
     else:
         assert floors["socket_round_trip_two_cpus_us"] is None

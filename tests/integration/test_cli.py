@@ -65,7 +65,13 @@ def test_fragmentation_bench_writes_rows(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     doc = json.loads((tmp_path / "f.json").read_text())
     row = doc["rows"][0]
-    assert {"scheme", "context_tokens", "internal_frag", "entries_per_seq", "transfers_per_seq"} <= row.keys()
+    assert {
+        "scheme",
+        "context_tokens",
+        "internal_frag",
+        "entries_per_seq",
+        "transfers_per_seq",
+    } <= row.keys()
     assert doc["targets"]["adaptive_internal_frag_le_1pct_at_ge_32k"] is True
 
 

@@ -40,8 +40,14 @@ def test_operations_md_client_snippet_against_the_default_daemon(tmp_path: Path)
     proc = start(f"exec {sys.executable} -m kvtier.cli.main serve --port {port}", env, log)
     try:
         wait_http(f"http://127.0.0.1:{port}/readyz", proc, log, 300)
-        res = subprocess.run([sys.executable, "-c", client_snippet().replace("8470", port)],
-                             env=env, capture_output=True, text=True, timeout=300, check=False)
+        res = subprocess.run(
+            [sys.executable, "-c", client_snippet().replace("8470", port)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         assert res.returncode == 0, res.stdout + res.stderr
     finally:
         assert stop(proc, 2) == 0, log.read_text()

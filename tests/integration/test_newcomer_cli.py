@@ -41,8 +41,14 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*KVTIER, *args], capture_output=True, text=True, timeout=600,
-                          env=env or clean_env(), check=False)
+    return subprocess.run(
+        [*KVTIER, *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env or clean_env(),
+        check=False,
+    )
 
 
 def test_a_busy_port_is_one_line_and_exit_2_before_anything_is_allocated(tmp_path: Path) -> None:
@@ -61,8 +67,13 @@ def test_a_busy_port_is_one_line_and_exit_2_before_anything_is_allocated(tmp_pat
 
 def start(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.Popen[str], list[str], str]:
     """Start ``kvtier serve --port 0``; returns the process, its log up to 'ready', the URL."""
-    proc = subprocess.Popen([*KVTIER, "serve", "--port", "0", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=clean_env(**env))
+    proc = subprocess.Popen(
+        [*KVTIER, "serve", "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=clean_env(**env),
+    )
     assert proc.stdout is not None
     lines: list[str] = []
     deadline = time.monotonic() + 120
@@ -123,8 +134,9 @@ def test_errors_name_the_fix_in_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "data").exists()  # every one failed before allocating
 
 
-@pytest.mark.parametrize("cmd", [[], ["serve"], ["demo"], ["info"], ["bench"], ["calc"],
-                                 ["calc", "sweep"]])
+@pytest.mark.parametrize(
+    "cmd", [[], ["serve"], ["demo"], ["info"], ["bench"], ["calc"], ["calc", "sweep"]]
+)
 def test_help_has_no_stray_type_labels(cmd: list[str]) -> None:
     res = run(*cmd, "--help")
     assert res.returncode == 0, res.stderr
@@ -133,8 +145,16 @@ def test_help_has_no_stray_type_labels(cmd: list[str]) -> None:
 
 def test_tables_keep_their_columns_when_piped(tmp_path: Path) -> None:
     # stdout is a pipe here, as in `kvtier calc ... | less`.
-    res = run("calc", "--synthetic-requests", "150", "--capacity", "host=200GB",
-              "--capacity", "nvme=2TB", env=clean_env())
+    res = run(
+        "calc",
+        "--synthetic-requests",
+        "150",
+        "--capacity",
+        "host=200GB",
+        "--capacity",
+        "nvme=2TB",
+        env=clean_env(),
+    )
     assert res.returncode == 0, res.stderr
     assert "…" not in res.stdout
     for header in ("capacity", "writes/day", "wear %/yr (rated)", "seed $/GB-mo", "CXL bandwidth"):

@@ -82,8 +82,10 @@ class Block:
 
 def blocks() -> list[Block]:
     text = README.read_text()
-    return [Block(m.group(1).strip(), m.group(2), text[: m.start()].count("\n") + 1)
-            for m in FENCE.finditer(text)]
+    return [
+        Block(m.group(1).strip(), m.group(2), text[: m.start()].count("\n") + 1)
+        for m in FENCE.finditer(text)
+    ]
 
 
 def steps() -> list[tuple[Block, ...]]:
@@ -144,13 +146,13 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     # the API server first inspects the model class in a subprocess of its own, one more
     # import of vLLM and torch before it starts.
     e["VLLM_CACHE_ROOT"] = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm"
+    )
     return e
 
 
 def as_run(text: str, env: dict[str, str]) -> str:
-    return (text.replace("8470", env["README_DAEMON_PORT"])
-            .replace("8000", env["README_VLLM_PORT"]))
+    return text.replace("8470", env["README_DAEMON_PORT"]).replace("8000", env["README_VLLM_PORT"])
 
 
 def top_level() -> set[str]:
@@ -160,8 +162,15 @@ def top_level() -> set[str]:
 
 
 def sh(text: str, env: dict[str, str], timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", "-e", "-o", "pipefail", "-c", as_run(text, env)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", as_run(text, env)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
@@ -181,8 +190,14 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: flo
 
 def start(text: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("wb") as out:
-        return subprocess.Popen(["bash", "-e", "-c", as_run(text, env)], cwd=ROOT, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            ["bash", "-e", "-c", as_run(text, env)],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def stop(proc: subprocess.Popen[bytes], sig: int) -> int:
@@ -211,8 +226,9 @@ class Launched:
 
 
 @pytest.fixture(scope="module")
-def readme_vllm_launched(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-                         ) -> Iterator[Launched]:
+def readme_vllm_launched(
+    env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Launched]:
     """The README's vLLM block (the tiny model, then its API server) started as written;
     not awaited (``readme_vllm`` awaits it). Stopped at the module's end (SIGTERM)."""
     if importlib.util.find_spec("vllm") is None:  # the server imports it, not this process
@@ -234,8 +250,9 @@ def readme_vllm(env: dict[str, str], readme_vllm_launched: Launched) -> VllmServ
     wait_http(url + "/health", launched.proc, launched.log, 600)
     model = re.search(r"--model (\S+)", launched.block.text)
     assert model, launched.block.text
-    return VllmServer(launched.block, url, model.group(1).replace("~", env["HOME"], 1),
-                      launched.log)
+    return VllmServer(
+        launched.block, url, model.group(1).replace("~", env["HOME"], 1), launched.log
+    )
 
 
 def _needs_vllm(item: pytest.Item) -> bool:
@@ -258,8 +275,10 @@ def _vllm_launches_first(request: pytest.FixtureRequest) -> None:
     """
     if importlib.util.find_spec("vllm") is None:
         return  # the vLLM tests skip (readme_vllm_launched); the others run
-    if any(getattr(i, "module", None) is request.module and _needs_vllm(i)
-           for i in request.session.items):
+    if any(
+        getattr(i, "module", None) is request.module and _needs_vllm(i)
+        for i in request.session.items
+    ):
         request.getfixturevalue("readme_vllm_launched")
 
 
@@ -280,21 +299,30 @@ def check_outputs(block: Block, res: subprocess.CompletedProcess[str], home: Pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("step", steps(), ids=lambda s: f"README.md:{s[0].line}")
-def test_readme_block_runs_as_written(step: tuple[Block, ...], env: dict[str, str],
-                                      tmp_path: Path, request: pytest.FixtureRequest) -> None:
+def test_readme_block_runs_as_written(
+    step: tuple[Block, ...], env: dict[str, str], tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     block = step[0]
     home = Path(env["HOME"])
     before = top_level()
     if block.kind == "gpu":
         pytest.skip("needs a CUDA host and the model's weights (config checked above)")
     if block.kind == "make-test":
-        res = subprocess.run(["make", "-n", "test"], cwd=ROOT, capture_output=True, text=True,
-                             check=False)
+        res = subprocess.run(
+            ["make", "-n", "test"], cwd=ROOT, capture_output=True, text=True, check=False
+        )
         assert res.returncode == 0 and "scripts/setup.sh test" in res.stdout
         assert "pytest" in res.stdout
     elif block.kind == "python":
-        res = subprocess.run([sys.executable, "-c", block.text], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=600, check=False)
+        res = subprocess.run(
+            [sys.executable, "-c", block.text],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
         assert res.returncode == 0, res.stdout + res.stderr
     elif block.kind == "sh":
         res = sh(block.text, env)

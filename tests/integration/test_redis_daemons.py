@@ -65,9 +65,19 @@ class Daemon:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
         with log.open("wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvtier.cli.main", "serve", "--config", str(config),
-                 "--port", str(self.port)],
-                stdout=out, stderr=subprocess.STDOUT, env=env,
+                [
+                    sys.executable,
+                    "-m",
+                    "kvtier.cli.main",
+                    "serve",
+                    "--config",
+                    str(config),
+                    "--port",
+                    str(self.port),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
             )
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:

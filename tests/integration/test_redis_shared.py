@@ -138,7 +138,9 @@ def test_slow_redis_is_a_miss_within_the_budget(fresh_redis: RedisServer) -> Non
         from redis.retry import Retry
 
         probe = redis.Redis(
-            host="127.0.0.1", port=fresh_redis.port, socket_timeout=0.05,
+            host="127.0.0.1",
+            port=fresh_redis.port,
+            socket_timeout=0.05,
             retry=Retry(NoBackoff(), 0),
         )
 

@@ -63,7 +63,9 @@ def _server(tmp: Path, url: str) -> tuple[subprocess.Popen[bytes], int, int, Pat
 
 
 @pytest.fixture
-def stack(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Daemon, int, int, Path]]:
+def stack(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[Daemon, int, int, Path]]:
     # Indirect "full": a daemon of two value slots and no other tier (full by capacity).
     if getattr(request, "param", "") == "full":
         d = start_daemon(

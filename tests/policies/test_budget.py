@@ -30,8 +30,14 @@ def test_grants_until_the_allowance_then_refuses() -> None:
     assert b.try_spend(1000)
 
 
-@pytest.mark.parametrize("kw", [{"bytes_per_day": -1.0}, {"bytes_per_day": 1.0, "window_s": 10.0},
-                                {"bytes_per_day": 1.0, "window_s": 2 * 86400.0}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"bytes_per_day": -1.0},
+        {"bytes_per_day": 1.0, "window_s": 10.0},
+        {"bytes_per_day": 1.0, "window_s": 2 * 86400.0},
+    ],
+)
 def test_bad_settings_fail_loudly(kw: dict[str, float]) -> None:
     with pytest.raises(ConfigError):
         WriteBudget(**kw)

@@ -28,12 +28,26 @@ def _value(block: int) -> np.ndarray:
 
 def test_a_store_built_from_the_written_config_matches_the_plan(tmp_path: Path) -> None:
     plan_json, conf = tmp_path / "plan.json", tmp_path / "plan.toml"
-    res = CliRunner().invoke(app, [
-        "calc", "--trace", "mooncake-conversation", "--limit", str(REQUESTS),
-        "--capacity", "host=100GB", "--capacity", "nvme=250GB",
-        "--json", str(plan_json), "--write-config", str(conf),
-        "--nvme-dir", str(tmp_path / "nvme"),
-    ])
+    res = CliRunner().invoke(
+        app,
+        [
+            "calc",
+            "--trace",
+            "mooncake-conversation",
+            "--limit",
+            str(REQUESTS),
+            "--capacity",
+            "host=100GB",
+            "--capacity",
+            "nvme=250GB",
+            "--json",
+            str(plan_json),
+            "--write-config",
+            str(conf),
+            "--nvme-dir",
+            str(tmp_path / "nvme"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     predicted = {t["name"]: t["hit_rate"] for t in json.loads(plan_json.read_text())["tiers"]}
 
@@ -42,10 +56,13 @@ def test_a_store_built_from_the_written_config_matches_the_plan(tmp_path: Path) 
     assert [t.kind for t in cfg.tiers] == ["host", "nvme"]
     # Scale: every tier keeps its number of chunks, each chunk VALUE bytes.
     chunk = spec_from_model(cfg.model).chunk_bytes(cfg.store.chunk_tokens)
-    cfg = dataclasses.replace(cfg, tiers=tuple(
-        dataclasses.replace(t, capacity_bytes=t.capacity_bytes // chunk * VALUE)
-        for t in cfg.tiers
-    ))
+    cfg = dataclasses.replace(
+        cfg,
+        tiers=tuple(
+            dataclasses.replace(t, capacity_bytes=t.capacity_bytes // chunk * VALUE)
+            for t in cfg.tiers
+        ),
+    )
     trace = load_trace(shipped_trace("mooncake-conversation"), limit=REQUESTS)
     now = [trace.requests[0].t_s]
     built = build_store(cfg, chunk_bytes=VALUE, clock=lambda: now[0])

@@ -38,17 +38,31 @@ class Clock:
         return self.t
 
 
-def make_store(host_slots: int, ssd_slots: int, budget_bytes_per_window: float, clock: Clock,
-               eviction=LRUEviction, window_s: float = 600.0):
+def make_store(
+    host_slots: int,
+    ssd_slots: int,
+    budget_bytes_per_window: float,
+    clock: Clock,
+    eviction=LRUEviction,
+    window_s: float = 600.0,
+):
     """A real two-tier store: host DRAM over a second host arena priced as an SSD."""
-    host = HostTier(TierGeometry("host", host_slots * VALUE, VALUE, MAX_EXTENT), Options(pin=Switch.OFF))
-    ssd = HostTier(TierGeometry("ssd", ssd_slots * VALUE, VALUE, MAX_EXTENT), Options(pin=Switch.OFF))
+    host = HostTier(
+        TierGeometry("host", host_slots * VALUE, VALUE, MAX_EXTENT), Options(pin=Switch.OFF)
+    )
+    ssd = HostTier(
+        TierGeometry("ssd", ssd_slots * VALUE, VALUE, MAX_EXTENT), Options(pin=Switch.OFF)
+    )
     econ = Economics(chunk_bytes=VALUE, recompute_s=1.0, value_per_s=1.0, window_s=window_s)
-    budget = WriteBudget(budget_bytes_per_window * 86400.0 / window_s, window_s=window_s,
-                         clock=clock)
+    budget = WriteBudget(
+        budget_bytes_per_window * 86400.0 / window_s, window_s=window_s, clock=clock
+    )
     placement = CostAwarePlacement(
-        [DDR5_HOST, replace(NVME_GEN5_TLC, name="ssd")], [host_slots * VALUE, ssd_slots * VALUE],
-        econ, clock=clock, budgets={1: budget},
+        [DDR5_HOST, replace(NVME_GEN5_TLC, name="ssd")],
+        [host_slots * VALUE, ssd_slots * VALUE],
+        econ,
+        clock=clock,
+        budgets={1: budget},
     )
     store = TieredStore([host, ssd], eviction=eviction, placement=placement, io_threads=2)
     return store, placement, budget
@@ -86,8 +100,9 @@ requests_st = st.lists(
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=requests_st, budget_chunks=st.integers(0, 12))
-def test_ssd_writes_never_exceed_the_budget(ops: list[tuple[float, int, int]],
-                                            budget_chunks: int) -> None:
+def test_ssd_writes_never_exceed_the_budget(
+    ops: list[tuple[float, int, int]], budget_chunks: int
+) -> None:
     clock = Clock()
     window = 600.0
     store, _, budget = make_store(6, 64, budget_chunks * VALUE, clock, window_s=window)
@@ -216,8 +231,9 @@ def test_promotion_from_a_wearing_tier_weighs_the_rewrite() -> None:
         cheap = Economics(chunk_bytes=VALUE, recompute_s=1.0, value_per_s=0.0)
         keys = [key(1)]
         assert placement.should_promote(1, keys)  # $1/s of time beats 4 KiB of wear
-        frugal = CostAwarePlacement([DDR5_HOST, NVME_GEN5_TLC], [4 * VALUE, 16 * VALUE], cheap,
-                                    clock=clock)
+        frugal = CostAwarePlacement(
+            [DDR5_HOST, NVME_GEN5_TLC], [4 * VALUE, 16 * VALUE], cheap, clock=clock
+        )
         assert not frugal.should_promote(1, keys)  # time is worth nothing: keep it down
     finally:
         store.close()
@@ -259,8 +275,9 @@ def test_a_chunk_hit_again_and_again_moves_into_free_room_where_one_hit_would_no
     tracker, hot = _learned_tracker(clock)
     profiles = [DDR5_HOST, replace(NVME_GEN5_TLC, name="ssd")]
     sizes = [4 * VALUE, 16 * VALUE]
-    probe = CostAwarePlacement(profiles, sizes, Economics(VALUE, recompute_s=1.0, value_per_s=1.0),
-                               clock=clock)
+    probe = CostAwarePlacement(
+        profiles, sizes, Economics(VALUE, recompute_s=1.0, value_per_s=1.0), clock=clock
+    )
     rewrite = probe._wear[1] * probe.pressure(1)
     saved_per_hit_per_dollar = probe._load[1] - probe._load[0]
     value_per_s = rewrite / saved_per_hit_per_dollar / 8
@@ -287,8 +304,10 @@ def test_placement_for_live_tiers_budgets_the_ssd_only() -> None:
     from kvtier.tiers.meta import MetaTier
 
     ssd_profile = TierProfile(80e-6, 14e9, 0.0025, endurance_dwpd=1.0)
-    tiers = [MetaTier(TierGeometry("host", 64 * VALUE, VALUE, MAX_EXTENT)),
-             MetaTier(TierGeometry("ssd", 64 * VALUE, VALUE, MAX_EXTENT), ssd_profile)]
+    tiers = [
+        MetaTier(TierGeometry("host", 64 * VALUE, VALUE, MAX_EXTENT)),
+        MetaTier(TierGeometry("ssd", 64 * VALUE, VALUE, MAX_EXTENT), ssd_profile),
+    ]
     p = placement_for_tiers(tiers, PRESETS["llama-3-8b"], 256)
     assert set(p.budgets) == {1}
     with TieredStore(tiers, placement=p, io_threads=0) as store:
@@ -316,15 +335,16 @@ class RoomView:
 BIG = 64 << 20  # a Llama-3-8B chunk: wear matters at this size
 
 
-def big_placement(clock: Clock, budget_chunks: float, window_s: float = 3600.0,
-                  free: int = 1 << 20) -> CostAwarePlacement:
+def big_placement(
+    clock: Clock, budget_chunks: float, window_s: float = 3600.0, free: int = 1 << 20
+) -> CostAwarePlacement:
     # 20 ms of recompute at $0.002/s against the wear of 64 MiB on a 1-DWPD TLC drive:
     # worth an SSD write at a reuse probability above ~0.14 with the budget full.
     econ = Economics(chunk_bytes=BIG, recompute_s=0.02, value_per_s=0.002, window_s=window_s)
-    budget = WriteBudget(budget_chunks * BIG * 86400.0 / window_s, window_s=window_s,
-                         clock=clock)
-    p = CostAwarePlacement([DDR5_HOST, NVME_GEN5_TLC], [BIG, 1 << 50], econ, clock=clock,
-                           budgets={1: budget})
+    budget = WriteBudget(budget_chunks * BIG * 86400.0 / window_s, window_s=window_s, clock=clock)
+    p = CostAwarePlacement(
+        [DDR5_HOST, NVME_GEN5_TLC], [BIG, 1 << 50], econ, clock=clock, budgets={1: budget}
+    )
     p.bind(RoomView(free, []))
     return p
 

@@ -31,8 +31,10 @@ def test_formula_rejects_impossible_inputs(args: tuple[float, float, float]) -> 
 
 
 def test_threshold_matrix_values() -> None:
-    rows = {s.name: (s.p99_latency_us_max, s.cxl_bandwidth_gbps_min, s.ssd_wear_pct_per_year_max)
-            for s in SEED_MATRIX}
+    rows = {
+        s.name: (s.p99_latency_us_max, s.cxl_bandwidth_gbps_min, s.ssd_wear_pct_per_year_max)
+        for s in SEED_MATRIX
+    }
     assert rows == {
         "LLM inference cache": (23.6, 64.0, 1.8),
         "real-time recommendation cache": (41.2, 32.0, 3.5),

@@ -78,8 +78,9 @@ def test_impossible_configurations_are_refused(trace) -> None:
 def test_simulator_matches_a_store_with_real_bytes() -> None:
     tr = load_trace("mooncake-conversation", limit=250)
     for policy in ("lru-write-through", "kvtier"):
-        v = validate(SimConfig(MODEL, HW, (400 * CHUNK, 1500 * CHUNK), policy=policy), tr,
-                     value_bytes=4096)
+        v = validate(
+            SimConfig(MODEL, HW, (400 * CHUNK, 1500 * CHUNK), policy=policy), tr, value_bytes=4096
+        )
         assert v.corrupt_chunks == 0 and v.verified_chunks > 0
         assert v.max_abs_diff_points <= 2.0
 

@@ -18,14 +18,17 @@ def test_reads_the_conversation_trace_head() -> None:
     assert len(tr.full_blocks(r)) == r.input_tokens // 512
 
 
-@pytest.mark.parametrize(("line", "needle"), [
-    ('{"timestamp": 1, "input_length": 10}', ":2: field 'hash_ids'"),
-    ('{"timestamp": -5, "input_length": 10, "hash_ids": []}', ":2: field 'timestamp'"),
-    ('{"timestamp": 1, "input_length": "x", "hash_ids": [1]}', ":2: field 'input_length'"),
-    ('{"timestamp": 1, "input_length": 10, "hash_ids": [1, "a"]}', ":2: field 'hash_ids'"),
-    ("not json", ":2: not valid JSON"),
-    ("[1, 2]", ":2: expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        ('{"timestamp": 1, "input_length": 10}', ":2: field 'hash_ids'"),
+        ('{"timestamp": -5, "input_length": 10, "hash_ids": []}', ":2: field 'timestamp'"),
+        ('{"timestamp": 1, "input_length": "x", "hash_ids": [1]}', ":2: field 'input_length'"),
+        ('{"timestamp": 1, "input_length": 10, "hash_ids": [1, "a"]}', ":2: field 'hash_ids'"),
+        ("not json", ":2: not valid JSON"),
+        ("[1, 2]", ":2: expected a JSON object"),
+    ],
+)
 def test_malformed_lines_name_line_and_field(tmp_path: Path, line: str, needle: str) -> None:
     f = tmp_path / "t.jsonl"
     f.write_text('{"timestamp": 0, "input_length": 600, "hash_ids": [1, 2]}\n' + line + "\n")

@@ -255,8 +255,11 @@ def test_stats_and_metrics_say_what_placement_decided(daemon_factory, tmp_path) 
         metric = f"kvtier_placement_{name}"
         series = [ln for ln in text.splitlines() if ln.startswith(metric)]
         label = f'{{tier="{tier}"}}' if tier else ""
-        assert any(ln.split(" ")[0] in (f"{metric}{label}", f"{metric}_total{label}")
-                   and float(ln.split(" ")[1]) == value for ln in series), (name, tier, series)
+        assert any(
+            ln.split(" ")[0] in (f"{metric}{label}", f"{metric}_total{label}")
+            and float(ln.split(" ")[1]) == value
+            for ln in series
+        ), (name, tier, series)
     # One HELP and one TYPE per metric, its series together (the format requires it).
     lines = [ln for ln in text.splitlines() if "kvtier_placement_" in ln]
     helps = [ln.split(" ")[2] for ln in lines if ln.startswith("# HELP")]

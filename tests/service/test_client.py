@@ -280,8 +280,9 @@ def test_an_http_put_prefix_keeps_a_long_sequence_head_on_a_full_daemon(
                 c.batch_keys = 1024
             else:
                 for i in range(0, 12, 2):
-                    c.put_many(seq[i : i + 2], values[i : i + 2],
-                               prefix=seq[:i] if way == "prefix" else ())
+                    c.put_many(
+                        seq[i : i + 2], values[i : i + 2], prefix=seq[:i] if way == "prefix" else ()
+                    )
             hit = c.lookup(seq)
             if way == "none":
                 assert hit.hits == 0  # each request evicted the oldest: the head

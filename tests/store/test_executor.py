@@ -275,7 +275,9 @@ def test_the_inline_executors_finished_future_works_as_any_future() -> None:
     # Futures from other threads at the same time: the shared condition never blocks.
     out: list[int] = []
     threads = [
-        threading.Thread(target=lambda: out.extend(INLINE.submit(int, "7").result() for _ in range(500)))
+        threading.Thread(
+            target=lambda: out.extend(INLINE.submit(int, "7").result() for _ in range(500))
+        )
         for _ in range(4)
     ]
     for t in threads:

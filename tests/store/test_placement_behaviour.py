@@ -38,8 +38,10 @@ def config(tmp: Path, tiers: str, extra: str = "") -> KVTierConfig:
 
 
 def nvme(tmp: Path, slots: int) -> str:
-    return (f'[[tiers]]\nkind = "nvme"\ncapacity_bytes = {slots * VALUE}\n'
-            f'dir = "{tmp / "nvme"}"\ncreate_dirs = true\n')
+    return (
+        f'[[tiers]]\nkind = "nvme"\ncapacity_bytes = {slots * VALUE}\n'
+        f'dir = "{tmp / "nvme"}"\ncreate_dirs = true\n'
+    )
 
 
 def host(slots: int) -> str:
@@ -93,8 +95,9 @@ def test_an_nvme_only_store_stores_what_it_is_given(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("tiers", ["host", "host+nvme", "nvme"])
 def test_a_put_into_a_full_store_evicts_colder_data(tmp_path: Path, tiers: str) -> None:
-    layout = {"host": host(4), "host+nvme": host(2) + nvme(tmp_path, 2),
-              "nvme": nvme(tmp_path, 4)}[tiers]
+    layout = {"host": host(4), "host+nvme": host(2) + nvme(tmp_path, 2), "nvme": nvme(tmp_path, 4)}[
+        tiers
+    ]
     # A budget that never binds here: pacing is tested in tests/policies/test_placement.py.
     cfg = config(tmp_path, layout, "promote_on_hit = false\n[placement]\nwrite_budget_dwpd = 1e6")
     with build_store(cfg, chunk_bytes=VALUE).store as store:

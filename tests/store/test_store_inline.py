@@ -21,8 +21,10 @@ def key(i: int) -> ChunkKey:
 
 def run(io_threads: int) -> tuple[list[int], tuple[tuple[str, int], ...], set[str]]:
     threads: set[str] = set()
-    tiers = [HostTier(TierGeometry("a", 4 * VALUE, VALUE, 1 << 20), Options(pin=Switch.OFF)),
-             HostTier(TierGeometry("b", 8 * VALUE, VALUE, 1 << 20), Options(pin=Switch.OFF))]
+    tiers = [
+        HostTier(TierGeometry("a", 4 * VALUE, VALUE, 1 << 20), Options(pin=Switch.OFF)),
+        HostTier(TierGeometry("b", 8 * VALUE, VALUE, 1 << 20), Options(pin=Switch.OFF)),
+    ]
     hits = []
     with TieredStore(tiers, io_threads=io_threads) as store:
         store.add_listener(lambda ev: threads.add(threading.current_thread().name))
@@ -36,8 +38,9 @@ def run(io_threads: int) -> tuple[list[int], tuple[tuple[str, int], ...], set[st
                 assert fut.result().chunks == n
                 assert dst[0] == (r % 3)  # the value stored for key(r % 3)
             if n < 2:
-                data = np.concatenate([np.full(VALUE, r % 3, np.uint8),
-                                       np.full(VALUE, 7, np.uint8)])[n * VALUE :]
+                data = np.concatenate(
+                    [np.full(VALUE, r % 3, np.uint8), np.full(VALUE, 7, np.uint8)]
+                )[n * VALUE :]
                 store.put(keys[n:], data).result()
             store.drain()
         tier_hits = store.stats().tier_hits

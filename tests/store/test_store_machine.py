@@ -35,9 +35,13 @@ class StoreMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        top = HostTier(TierGeometry("top", 6 * SLOT, SLOT, 1 << 20), Options(pin=Switch.OFF, prefault=False))
-        low = CXLTier(TierGeometry("low", 10 * SLOT, SLOT, 1 << 20),
-                      CXLOptions(emulate=Switch.ON, latency_us=0.0, bandwidth_gbps=1000.0, pin=Switch.OFF))
+        top = HostTier(
+            TierGeometry("top", 6 * SLOT, SLOT, 1 << 20), Options(pin=Switch.OFF, prefault=False)
+        )
+        low = CXLTier(
+            TierGeometry("low", 10 * SLOT, SLOT, 1 << 20),
+            CXLOptions(emulate=Switch.ON, latency_us=0.0, bandwidth_gbps=1000.0, pin=Switch.OFF),
+        )
         self.store = TieredStore([top, low], io_threads=3)
         self.written: dict[int, int] = {}  # key id -> value length
         self.pinned: dict[int, int] = {}

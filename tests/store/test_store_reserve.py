@@ -58,7 +58,7 @@ def test_commit_stores_what_the_view_holds(store: TieredStore) -> None:
     value = rand(5000, 1)
     res = store.reserve(key(1), len(value))
     assert res is not None and res.view.nbytes == len(value)
-    res.view[: 1000] = value[:1000]  # filled piece by piece, as a body arrives
+    res.view[:1000] = value[:1000]  # filled piece by piece, as a body arrives
     res.view[1000:] = value[1000:]
     # Pending: not found, and a put of the same key meanwhile counts it present.
     assert store.lookup([key(1)]).hits == 0

@@ -33,7 +33,9 @@ def test_host_arena_is_mappable_by_another_process() -> None:
         )
         out = subprocess.run(
             [sys.executable, "-c", code, tier.shm_path, str(e.offset * tier.slot_bytes)],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
         assert bytes.fromhex(out) == data.tobytes()
     finally:
@@ -46,7 +48,10 @@ def test_bind_to_an_existing_node_and_refuse_a_missing_one() -> None:
     nodes = numa.numa_nodes()
     if not nodes:
         pytest.skip("sysfs reports no NUMA nodes on this machine")
-    tier = HostTier(TierGeometry("h", 8 * SLOT, SLOT, 1 << 20), Options(numa_node=nodes[0].node_id, pin=Switch.OFF))
+    tier = HostTier(
+        TierGeometry("h", 8 * SLOT, SLOT, 1 << 20),
+        Options(numa_node=nodes[0].node_id, pin=Switch.OFF),
+    )
     tier.close()
     with pytest.raises(TierUnavailableError, match="does not exist"):
         HostTier(TierGeometry("h", 8 * SLOT, SLOT, 1 << 20), Options(numa_node=999, pin=Switch.OFF))
@@ -56,7 +61,9 @@ def _fake_node(root: Path, node: int, cpus: str, mem_kb: int) -> None:
     d = root / f"node{node}"
     d.mkdir(parents=True)
     (d / "cpulist").write_text(cpus + "\n")
-    (d / "meminfo").write_text(f"Node {node} MemTotal:       {mem_kb} kB\nNode {node} MemFree: 1 kB\n")
+    (d / "meminfo").write_text(
+        f"Node {node} MemTotal:       {mem_kb} kB\nNode {node} MemFree: 1 kB\n"
+    )
 
 
 def test_cxl_candidates_are_cpuless_nodes_with_memory(tmp_path: Path) -> None:
@@ -76,13 +83,19 @@ def test_cxl_without_hardware_is_emulated_or_refused() -> None:
     finally:
         tier.close()
     with pytest.raises(ConfigError, match="emulate"):
-        CXLTier(TierGeometry("c", 8 * SLOT, SLOT, 1 << 20), CXLOptions(emulate=Switch.OFF, pin=Switch.OFF))
+        CXLTier(
+            TierGeometry("c", 8 * SLOT, SLOT, 1 << 20),
+            CXLOptions(emulate=Switch.OFF, pin=Switch.OFF),
+        )
 
 
 def test_emulated_cxl_injects_its_latency() -> None:
     # Behaviour, not timing: the throttle must sleep for the configured latency.
     slept: list[float] = []
-    tier = CXLTier(TierGeometry("c", 8 * SLOT, SLOT, 1 << 20), CXLOptions(emulate=Switch.ON, latency_us=5000, pin=Switch.OFF))
+    tier = CXLTier(
+        TierGeometry("c", 8 * SLOT, SLOT, 1 << 20),
+        CXLOptions(emulate=Switch.ON, latency_us=5000, pin=Switch.OFF),
+    )
     try:
         import kvtier.tiers.cxl as cxl_mod
 
@@ -123,8 +136,12 @@ def test_process_exit_without_close_removes_its_arena() -> None:
 def test_arenas_of_killed_processes_are_swept(tmp_path: Path) -> None:
     from kvtier.tiers.memory import sweep_stale_arenas
 
-    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     dead = int(proc.stdout)  # this pid has exited
     stale = tmp_path / f"kvtier-{dead}-0-host-abc123"
     stale.write_bytes(b"x")

@@ -26,8 +26,13 @@ def test_counts_writes_and_reads_without_storing_bytes() -> None:
 
 
 def test_builds_from_config_and_drives_a_store() -> None:
-    cfg = load_config(base={"tiers": [{"kind": "meta", "capacity_bytes": "64KiB",
-                                       "endurance_dwpd": 1.0, "latency_us": 80}]})
+    cfg = load_config(
+        base={
+            "tiers": [
+                {"kind": "meta", "capacity_bytes": "64KiB", "endurance_dwpd": 1.0, "latency_us": 80}
+            ]
+        }
+    )
     tier = create_tier(cfg.tiers[0], 4096, 1 << 20)
     assert tier.profile.endurance_dwpd == 1.0
     assert abs(tier.profile.latency_s - 80e-6) < 1e-12

@@ -183,5 +183,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert self.a.stats().external_fragmentation == 0.0
 
 
-AllocatorMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+AllocatorMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None
+)
 TestAllocatorMachine = AllocatorMachine.TestCase

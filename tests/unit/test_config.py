@@ -18,7 +18,7 @@ def test_default_works_with_nothing_set() -> None:
 
 def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
     f = tmp_path / "k.toml"
-    f.write_text('[store]\nchunk_tokens = 512\nio_threads = 2\n')
+    f.write_text("[store]\nchunk_tokens = 512\nio_threads = 2\n")
     env = {"KVTIER_STORE__CHUNK_TOKENS": "1024", "KVTIER_TIERS__0__CAPACITY_BYTES": "1GiB"}
     cfg = load_config(f, env=env, overrides=["store.chunk_tokens=2048"])
     assert cfg.store.chunk_tokens == 2048
@@ -27,10 +27,21 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
 
 
 def test_tier_options_are_typed_per_kind() -> None:
-    cfg = load_config(env={}, base={"tiers": [
-        {"kind": "host", "capacity_bytes": "64MiB", "pin": "off"},
-        {"kind": "cxl", "name": "far", "capacity_bytes": 1 << 26, "emulate": "on", "latency_us": "0.5"},
-    ]})
+    cfg = load_config(
+        env={},
+        base={
+            "tiers": [
+                {"kind": "host", "capacity_bytes": "64MiB", "pin": "off"},
+                {
+                    "kind": "cxl",
+                    "name": "far",
+                    "capacity_bytes": 1 << 26,
+                    "emulate": "on",
+                    "latency_us": "0.5",
+                },
+            ]
+        },
+    )
     assert cfg.tiers[0].options.pin is Switch.OFF
     assert cfg.tiers[1].name == "far" and cfg.tiers[1].options.latency_us == 0.5
 

@@ -24,7 +24,10 @@ def test_tp_shards_heads_and_replicates_when_fewer_heads() -> None:
     full = KVSpec(80, 8, 128)
     assert KVSpec(80, 8, 128, tp_size=8, tp_rank=3).bytes_per_token == full.bytes_per_token // 8
     assert KVSpec(80, 8, 128, tp_size=16, tp_rank=0).kv_heads_per_rank == 1
-    assert KVSpec(80, 8, 128, tp_size=8, tp_rank=1).fingerprint != KVSpec(80, 8, 128, tp_size=8).fingerprint
+    assert (
+        KVSpec(80, 8, 128, tp_size=8, tp_rank=1).fingerprint
+        != KVSpec(80, 8, 128, tp_size=8).fingerprint
+    )
 
 
 def test_mla_has_one_latent_plane() -> None:
@@ -34,12 +37,20 @@ def test_mla_has_one_latent_plane() -> None:
 
 def test_from_hf_config(tmp_path: Path) -> None:
     cfg = {
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "hidden_size": 256, "torch_dtype": "float16",
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_size": 256,
+        "torch_dtype": "float16",
     }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     spec = KVSpec.from_hf_config(tmp_path)
-    assert (spec.num_layers, spec.num_kv_heads, spec.head_size, spec.dtype) == (2, 2, 64, DType.FP16)
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_size, spec.dtype) == (
+        2,
+        2,
+        64,
+        DType.FP16,
+    )
     with pytest.raises(SpecError, match="num_hidden_layers"):
         KVSpec.from_hf_config({"hidden_size": 4})
     with pytest.raises(SpecError, match="cannot read"):
@@ -87,8 +98,13 @@ def test_keys_are_identical_across_processes() -> None:
         "print(h.keys(list(range(1000)))[-1].hex())"
     )
     outs = {
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                       env={"PYTHONHASHSEED": str(seed), "PATH": "/usr/bin"}).stdout.strip()
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": str(seed), "PATH": "/usr/bin"},
+        ).stdout.strip()
         for seed in (1, 2)
     }
     assert outs == {hasher().keys(list(range(1000)))[-1].hex()}

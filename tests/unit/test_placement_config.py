@@ -19,10 +19,17 @@ def test_defaults_price_the_user_wait_and_budget_the_ssd() -> None:
     assert p.write_budget_dwpd == pytest.approx(0.8) and p.write_budget_window_s == 86400
 
 
-@pytest.mark.parametrize(("key", "bad"), [
-    ("value_of_latency_per_s", "-1"), ("gpu_mfu", "1.5"), ("write_budget_window_s", "10"),
-    ("write_budget_dwpd", "-0.1"), ("gpus", "-1"), ("context_tokens", "x"),
-])
+@pytest.mark.parametrize(
+    ("key", "bad"),
+    [
+        ("value_of_latency_per_s", "-1"),
+        ("gpu_mfu", "1.5"),
+        ("write_budget_window_s", "10"),
+        ("write_budget_dwpd", "-0.1"),
+        ("gpus", "-1"),
+        ("context_tokens", "x"),
+    ],
+)
 def test_bad_values_fail_loudly_naming_the_key(key: str, bad: str) -> None:
     with pytest.raises(ConfigError, match=f"placement\\.{key}"):
         load_config(env={}, overrides=[f"placement.{key}={bad}"])
@@ -30,8 +37,9 @@ def test_bad_values_fail_loudly_naming_the_key(key: str, bad: str) -> None:
 
 def test_environment_and_flags_reach_the_store(tmp_path: Path) -> None:
     env = {"KVTIER_PLACEMENT__VALUE_OF_LATENCY_PER_S": "0.01"}
-    cfg = load_config(env=env, overrides=["placement.recompute_s=0.5",
-                                          "tiers.0.capacity_bytes=64KiB"])
+    cfg = load_config(
+        env=env, overrides=["placement.recompute_s=0.5", "tiers.0.capacity_bytes=64KiB"]
+    )
     with build_store(cfg, chunk_bytes=4096).store as store:
         placement = store.placement
         assert isinstance(placement, CostAwarePlacement)
@@ -41,8 +49,9 @@ def test_environment_and_flags_reach_the_store(tmp_path: Path) -> None:
 
 
 def test_an_unknown_model_for_recompute_is_a_config_error() -> None:
-    cfg = load_config(env={}, overrides=["placement.model=no-such-model",
-                                         "tiers.0.capacity_bytes=64KiB"])
+    cfg = load_config(
+        env={}, overrides=["placement.model=no-such-model", "tiers.0.capacity_bytes=64KiB"]
+    )
     with pytest.raises(ConfigError, match=r"placement\.model"):
         build_store(cfg, chunk_bytes=4096)
 
@@ -52,8 +61,7 @@ def test_a_caller_given_geometry_is_priced_without_the_ignored_model_section() -
     # not price the recompute of the 8B-shaped chunks it stores.
     from kvtier.spec import preset
 
-    cfg = load_config(env={}, overrides=["model.name=llama-3-70b",
-                                         "tiers.0.capacity_bytes=64KiB"])
+    cfg = load_config(env={}, overrides=["model.name=llama-3-70b", "tiers.0.capacity_bytes=64KiB"])
     with build_store(cfg, spec=preset("llama-3-8b"), chunk_bytes=4096).store as store:
         placement = store.placement
         assert isinstance(placement, CostAwarePlacement)

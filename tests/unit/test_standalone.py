@@ -21,15 +21,31 @@ from kvtier.policies.trace import load_trace
 from kvtier.traces import SHIPPED, TRACE_DIR, shipped_trace
 
 ROOT = Path(__file__).resolve().parents[2]
-SKIP_DIRS = {".git", ".venv", "__pycache__", "build", "dist", ".mypy_cache", ".ruff_cache",
-             ".pytest_cache", ".hypothesis", "node_modules"}
+SKIP_DIRS = {
+    ".git",
+    ".venv",
+    "__pycache__",
+    "build",
+    "dist",
+    ".mypy_cache",
+    ".ruff_cache",
+    ".pytest_cache",
+    ".hypothesis",
+    "node_modules",
+}
 # Assembled so that this file does not match itself.
 SIBLING = "sha" + "red"
 FORBIDDEN = re.compile(
-    r"\.\./" + SIBLING + r"\b"  # a relative path to the sibling folder
-    + r"|/work/" + SIBLING + r"\b"  # the team's absolute path
-    + r"|['\"]\.\.['\"]\s*/\s*['\"]" + SIBLING  # Path(...) / ".." / "<sibling>"
-    + r"|parents?\[\d\]\s*/\s*['\"]" + SIBLING  # Path(...).parents[2] / "<sibling>"
+    r"\.\./"
+    + SIBLING
+    + r"\b"  # a relative path to the sibling folder
+    + r"|/work/"
+    + SIBLING
+    + r"\b"  # the team's absolute path
+    + r"|['\"]\.\.['\"]\s*/\s*['\"]"
+    + SIBLING  # Path(...) / ".." / "<sibling>"
+    + r"|parents?\[\d\]\s*/\s*['\"]"
+    + SIBLING  # Path(...).parents[2] / "<sibling>"
 )
 
 
@@ -55,9 +71,11 @@ def test_nothing_reads_a_folder_beside_the_repository() -> None:
 
 
 def test_the_guard_catches_the_old_spellings() -> None:
-    for line in ('TRACES = ROOT / ".." / "' + SIBLING + '" / "data"',
-                 "--trace ../" + SIBLING + "/data/mooncake/conversation_trace.jsonl",
-                 'Path("/work/' + SIBLING + '/data")'):
+    for line in (
+        'TRACES = ROOT / ".." / "' + SIBLING + '" / "data"',
+        "--trace ../" + SIBLING + "/data/mooncake/conversation_trace.jsonl",
+        'Path("/work/' + SIBLING + '/data")',
+    ):
         assert FORBIDDEN.search(line), line
     assert not FORBIDDEN.search("shared_memory, a shared Redis tier, ../" + SIBLING + "lib")
 
@@ -65,8 +83,14 @@ def test_the_guard_catches_the_old_spellings() -> None:
 # Request counts and SHA-256 of the uncompressed files, as kvtier/data/mooncake/README.md
 # states them (the files are the released ones, unchanged).
 RELEASED = {
-    "mooncake-conversation": (12031, "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df"),
-    "mooncake-synthetic": (3993, "bd070915a98fc0ed264d7cfef2ce746002eb3076a695ec31ba2674c0111ec131"),
+    "mooncake-conversation": (
+        12031,
+        "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df",
+    ),
+    "mooncake-synthetic": (
+        3993,
+        "bd070915a98fc0ed264d7cfef2ce746002eb3076a695ec31ba2674c0111ec131",
+    ),
 }
 
 
@@ -84,7 +108,8 @@ def test_shipped_traces_are_the_released_files(name: str) -> None:
 def test_shipped_traces_are_package_data() -> None:
     # An installed (non-editable) kvtier must carry them too.
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "package-data"]["kvtier"]
+        "package-data"
+    ]["kvtier"]
     for f in (*SHIPPED.values(), "README.md"):
         rel = (TRACE_DIR / f).relative_to(ROOT / "kvtier").as_posix()
         assert any(fnmatch(rel, g) for g in globs), rel

@@ -143,7 +143,11 @@ class _Breaker:
         if due:
             log.warning(
                 "redis node %s unavailable (%s): its chunks are misses; retry in up to %.2f s "
-                "(%d consecutive failures)", self.name, reason, backoff, n,
+                "(%d consecutive failures)",
+                self.name,
+                reason,
+                backoff,
+                n,
             )
 
     def succeeded(self) -> None:
@@ -371,9 +375,7 @@ class Nodes:
 
     # -- execution -----------------------------------------------------------------------
 
-    def execute(
-        self, names: Sequence[bytes], work: NodeWork[T], op: Op, failed: T
-    ) -> list[T]:
+    def execute(self, names: Sequence[bytes], work: NodeWork[T], op: Op, failed: T) -> list[T]:
         """Run ``work`` for each node's items in parallel; wait at most until ``op``'s deadline.
 
         Items of a node that is down, fails, or is late get ``failed``. Never raises for

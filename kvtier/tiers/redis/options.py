@@ -47,8 +47,14 @@ class Options:
     streams_per_node: int = 2
 
     def __post_init__(self) -> None:
-        positive = ("op_budget_s", "write_budget_s", "connect_timeout_s", "socket_timeout_s",
-                    "backoff_min_s", "backoff_max_s")
+        positive = (
+            "op_budget_s",
+            "write_budget_s",
+            "connect_timeout_s",
+            "socket_timeout_s",
+            "backoff_min_s",
+            "backoff_max_s",
+        )
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(name, getattr(self, name), "a positive number of seconds")

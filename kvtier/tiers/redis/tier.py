@@ -204,8 +204,11 @@ class RedisTier(Tier):
             with op.guard():  # encode copies from src: never after the caller gave up
                 for i in batch:
                     value = wire.encode(
-                        run.keys[i], src[i * vb : (i + 1) * vb], self._ns,
-                        compress=self._compress, width=self.options.codec_element_bytes,
+                        run.keys[i],
+                        src[i * vb : (i + 1) * vb],
+                        self._ns,
+                        compress=self._compress,
+                        width=self.options.codec_element_bytes,
                     )
                     pipe.set(names[i], value, px=self._px)
             results = pipe.execute(raise_on_error=False)
@@ -256,8 +259,7 @@ class RedisTier(Tier):
         if absent or failed:
             raise TierIOError(
                 f"redis tier {self.name}: {absent} of {run.n} values gone (evicted or expired), "
-                f"{failed} unreachable or over budget"
-                + (f" ({reasons[0]})" if reasons else "")
+                f"{failed} unreachable or over budget" + (f" ({reasons[0]})" if reasons else "")
             )
 
     def _decode(self, key: ChunkKey, value: Any, dst: memoryview, reasons: list[str]) -> _R:

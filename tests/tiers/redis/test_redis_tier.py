@@ -271,10 +271,17 @@ def test_unreachable_server_is_a_miss_not_an_exception() -> None:
 def test_config_section_builds_a_redis_tier() -> None:
     cfg = load_config(
         env={"KVTIER_TIERS__1__CLUSTER_NODES": "10.0.0.1:7000,10.0.0.2:7000"},
-        base={"tiers": [
-            {"kind": "host", "capacity_bytes": "64MiB"},
-            {"kind": "redis", "capacity_bytes": "1TiB", "ttl_s": "3600", "batch_bytes": "16MiB"},
-        ]},
+        base={
+            "tiers": [
+                {"kind": "host", "capacity_bytes": "64MiB"},
+                {
+                    "kind": "redis",
+                    "capacity_bytes": "1TiB",
+                    "ttl_s": "3600",
+                    "batch_bytes": "16MiB",
+                },
+            ]
+        },
     )
     opts = cfg.tiers[1].options
     assert isinstance(opts, Options)
@@ -285,8 +292,11 @@ def test_config_section_builds_a_redis_tier() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("ttl_s", -1.0), ("op_budget_s", 0.0), ("batch_bytes", 0),
-        ("backoff_max_s", 0.01), ("key_prefix", ""),
+        ("ttl_s", -1.0),
+        ("op_budget_s", 0.0),
+        ("batch_bytes", 0),
+        ("backoff_max_s", 0.01),
+        ("key_prefix", ""),
     ],
 )
 def test_bad_options_fail_loudly(field: str, value: object) -> None:
