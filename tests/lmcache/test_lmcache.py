@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -35,7 +36,9 @@ from kvtier.connectors.lmcache.keys import engine_key, object_key
 from kvtier.connectors.lmcache.pool import LoadPool
 from kvtier.connectors.lmcache.remote import KVTierRemoteConnector
 from kvtier.connectors.lmcache.settings import daemon_settings, params_settings, shared_bytes
+from kvtier.connectors.lmcache.spans import spans
 from kvtier.errors import ConfigError
+from kvtier.service.client import Client
 from tests.connectors.lmcache_engine import (
     CHUNK,
     HASH_SEED,
@@ -330,6 +333,62 @@ def test_remote_loads_land_in_the_shared_pool_then_in_lmcache_memory(
         n, out = e.retrieve(tokens)
         assert n == FULL and _equal(out, kv, n)
         assert c.load_pool.in_use == 2  # this load, into the new pool
+
+
+def _same_host_gets(url: str) -> int:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    found = re.search(
+        r'^kvtier_same_host_requests_total\{op="get",status="ok"\} (\d+)$', text, re.M
+    )
+    return int(found.group(1)) if found else 0
+
+
+def test_remote_load_asks_span_by_span_and_stops_at_a_short_one(
+    tmp_path: Path, daemons: list[Daemon]
+) -> None:
+    """A load into the shared pool (two slots here) asks for each span of memory objects
+    in order, on one thread; when a span comes back short (a chunk gone since the
+    lookup), the objects after it are freed without a request, and what came before the
+    gap is kept, bytes equal."""
+    d = nvme_daemon(tmp_path / "daemon")
+    daemons.append(d)
+    cfg = remote_config(d.url)
+    cfg["extra_config"]["remote_storage_plugin.kvtier.shared_bytes"] = 2 * CHUNK * TOKEN_BYTES
+    tokens, kv = prompt(8, N_TOKENS)
+    with engine(cfg) as e:
+        c = _connector(e)
+        pool = _pool_of(c)
+        e.store(tokens, kv)
+        assert e.wait_stored(tokens, REMOTE) == FULL
+        e.drop_local()
+        keys = [key for _, _, key in e.engine.token_database.process_tokens(tokens)][:4]
+        assert all(isinstance(k, CacheEngineKey) for k in keys)
+
+        # All four held: the pool's two slots are one span, LMCache's memory one or two
+        # more (its objects need not lie back to back); one get per span.
+        before = _same_host_gets(d.url)
+        got = c._load_in_place(keys)
+        assert len(got) == 4
+        n_spans = len(spans(got, CHUNK * TOKEN_BYTES))
+        assert n_spans >= 2 and _same_host_gets(d.url) - before == n_spans
+        for i, obj in enumerate(got):
+            chunk = kv[i * CHUNK * TOKEN_BYTES : (i + 1) * CHUNK * TOKEN_BYTES]
+            assert torch.equal(torch.frombuffer(obj.byte_array, dtype=torch.uint8), chunk)
+            obj.ref_count_down()
+        assert pool.in_use == 0
+
+        # The second chunk goes after the lookup: the first span comes back with one value.
+        with Client(d.url) as client:
+            assert client.delete(engine_key(keys[1]))
+        before = _same_host_gets(d.url)
+        got = c._load_in_place(keys)
+        assert _same_host_gets(d.url) - before == 1  # the second span was never asked for
+        assert len(got) == 1
+        first = kv[: CHUNK * TOKEN_BYTES]
+        assert torch.equal(torch.frombuffer(got[0].byte_array, dtype=torch.uint8), first)
+        assert pool.in_use == 1
+        got[0].ref_count_down()
+        assert pool.in_use == 0
 
 
 def test_remote_without_a_pool_copies_and_serves(tmp_path: Path, daemons: list[Daemon]) -> None:
