@@ -224,14 +224,15 @@ class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache i
         span_list = spans(objs, self.full_chunk_size_bytes)
         ks = [engine_key(k) for k in keys]
         results: list[tuple[int, ...]] = []
+        short = False  # after a short span nothing more is kept: no request for the rest
         for sp in span_list:
-            short = bool(results) and len(results[-1]) < span_list[len(results) - 1].count
-            # After a short span nothing more is kept: no request for the rest.
-            results.append(
+            got = (
                 ()
                 if short
                 else self.link.get_into_many(ks[sp.start : sp.start + sp.count], sp.view)
             )
+            short = len(got) < sp.count
+            results.append(got)
         return collect(
             objs, results, span_list, self.full_chunk_size_bytes, self.reshape_partial_chunk
         )

@@ -19,6 +19,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -283,16 +284,23 @@ def _pool_of(c: KVTierRemoteConnector, timeout_s: float = 10.0) -> LoadPool:
     return c.load_pool
 
 
+def _two_slot_pool(tmp_path: Path, daemons: list[Daemon]) -> tuple[Daemon, dict[str, Any]]:
+    """A daemon with an nvme tier, and the remote plug-in's config with a load pool of
+    two chunk slots (a load of four chunks then also needs LMCache's own memory)."""
+    d = nvme_daemon(tmp_path / "daemon")
+    daemons.append(d)
+    cfg = remote_config(d.url)
+    cfg["extra_config"]["remote_storage_plugin.kvtier.shared_bytes"] = 2 * CHUNK * TOKEN_BYTES
+    return d, cfg
+
+
 def test_remote_loads_land_in_the_shared_pool_then_in_lmcache_memory(
     tmp_path: Path, daemons: list[Daemon]
 ) -> None:
     """A pool of two chunks: a four-chunk load takes both slots (no copy on this side)
     and two LMCache objects; LMCache's write-back holds the slots until it drops its
     copies. A daemon restarted under the engine gets a new pool, and bytes stay equal."""
-    d = nvme_daemon(tmp_path / "daemon")
-    daemons.append(d)
-    cfg = remote_config(d.url)
-    cfg["extra_config"]["remote_storage_plugin.kvtier.shared_bytes"] = 2 * CHUNK * TOKEN_BYTES
+    d, cfg = _two_slot_pool(tmp_path, daemons)
     tokens, kv = prompt(6, N_TOKENS)
     with engine(cfg) as e:
         c = _connector(e)
@@ -350,10 +358,7 @@ def test_remote_load_asks_span_by_span_and_stops_at_a_short_one(
     in order, on one thread; when a span comes back short (a chunk gone since the
     lookup), the objects after it are freed without a request, and what came before the
     gap is kept, bytes equal."""
-    d = nvme_daemon(tmp_path / "daemon")
-    daemons.append(d)
-    cfg = remote_config(d.url)
-    cfg["extra_config"]["remote_storage_plugin.kvtier.shared_bytes"] = 2 * CHUNK * TOKEN_BYTES
+    d, cfg = _two_slot_pool(tmp_path, daemons)
     tokens, kv = prompt(8, N_TOKENS)
     with engine(cfg) as e:
         c = _connector(e)
