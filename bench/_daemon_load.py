@@ -50,8 +50,15 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
 
 
 def start_kvtier(
-    tmp: Path, capacity: str, *, io_threads: int = 4, max_value_bytes: int = 4 * MiB
+    tmp: Path,
+    capacity: str,
+    *,
+    io_threads: int = 4,
+    max_value_bytes: int = 4 * MiB,
+    settings: tuple[str, ...] = (),
 ) -> tuple[str, subprocess.Popen[bytes]]:
+    """A ``kvtier serve`` on a free port, its data under ``tmp``; ``settings`` are more
+    ``--set key=value`` pairs."""
     port = free_port()
     log = tmp / f"kvtier-{port}.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
@@ -78,6 +85,7 @@ def start_kvtier(
                 # Never the user's data directory: a daemon of theirs may hold it.
                 "--set",
                 f"service.data_dir={tmp / f'data-{port}'}",
+                *(arg for kv in settings for arg in ("--set", kv)),
             ],
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -67,7 +67,17 @@ def rows_for_size(
     most_ops = max(max(4 * conc, target_bytes // step) for conc in concs)
     need = (n_keys + most_ops * batch) * size
     capacity = max(1 << 30, need + need // 8)
-    url, proc = start_kvtier(tmp, f"{-(-capacity // MiB)}MiB", max_value_bytes=size)
+    # The arena prefaulted, as the baseline's ring is: otherwise the first timed puts into
+    # never-touched pages pay the kernel's page faults (~13 us a page on the project's
+    # VM; a 16 MiB x 32 put p99 of 1.7 s), a cost of a daemon's first minutes
+    # (``prefault = false``, the default), not of the channel.
+    url, proc = start_kvtier(
+        tmp,
+        f"{-(-capacity // MiB)}MiB",
+        max_value_bytes=size,
+        settings=("tiers.0.prefault=true",),
+    )
+    resident = _resident_shared_bytes(proc.pid)
     rows: list[dict[str, Any]] = []
     c = Client(url, pool=max(concs) + 1, timeout_s=120)
     try:
@@ -172,12 +182,25 @@ def rows_for_size(
                         "next_get_same_buffer_ms": next_ms,
                         "ops_per_run": n_ops,
                         "repeats": repeats,
+                        "arena_bytes": capacity,
+                        "daemon_shared_resident_bytes_at_start": resident,
                     }
                 )
     finally:
         c.close()
         stop_process(proc)
     return rows
+
+
+def _resident_shared_bytes(pid: int) -> int | None:
+    """The process's shared memory in RAM (``RssShmem``), or None where /proc lacks it."""
+    try:
+        for text in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if text.startswith("RssShmem:"):
+                return int(text.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _first_use(c: Any, keys: list[bytes], nbytes: int, n: int = 3) -> tuple[float, float]:

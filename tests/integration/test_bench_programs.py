@@ -169,3 +169,33 @@ def test_the_same_host_floor_is_measured_on_one_cpu_and_on_two_and_leaves_affini
         )
     else:
         assert floors["socket_round_trip_two_cpus_us"] is None
+
+
+def test_the_same_host_rows_run_on_a_prefaulted_arena(tmp_path: Path) -> None:
+    # The baseline copies into a ring it touched first; the daemon's arena must be
+    # touched too, or the first timed puts pay the page faults of a fresh daemon.
+    for m in ("fastapi", "uvicorn", "httpx"):
+        pytest.importorskip(m, reason="the daemon benchmark needs the service extra")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvtier.bench._daemon_load import start_kvtier, stop_process
+    from kvtier.bench._same_host import _resident_shared_bytes, rows_for_size
+
+    arena = 64 << 20
+    shmem = {}
+    for prefault in (False, True):
+        settings = ("tiers.0.prefault=true",) if prefault else ()
+        _url, proc = start_kvtier(tmp_path, "64MiB", max_value_bytes=1 << 20, settings=settings)
+        try:
+            shmem[prefault] = _resident_shared_bytes(proc.pid)
+        finally:
+            stop_process(proc)
+    assert shmem[True] >= arena > shmem[False]
+
+    with ThreadPoolExecutor(2) as pool:
+        rows = rows_for_size(
+            tmp_path, 1 << 20, [1], target_bytes=4 << 20, repeats=1, pool=pool, batch=2
+        )
+    assert {r["op"] for r in rows} == {"same_host_get", "same_host_put"}
+    assert all(r["batch"] == 2 and r["ratio_memcpy"] > 0 for r in rows)
+    assert all(r["daemon_shared_resident_bytes_at_start"] >= r["arena_bytes"] for r in rows)
