@@ -226,6 +226,9 @@ def hex_key(key: KeyLike) -> str:
 
 
 def raw_key(key: KeyLike) -> ChunkKey:
+    """A key's 16 bytes. Raises InputError as :func:`hex_key` does."""
+    if type(key) is bytes and len(key) == KEY_BYTES:
+        return ChunkKey(key)  # the common case, without the round trip through hex
     return ChunkKey(bytes.fromhex(hex_key(key)))
 
 

@@ -318,3 +318,14 @@ def test_a_client_sends_no_prefix_to_a_daemon_that_takes_none() -> None:
     with Client("http://192.0.2.1:1", transport=httpx.MockTransport(handler)) as c:
         res = c.put_many([os.urandom(16), os.urandom(16)], [b"a", b"b"], prefix=[os.urandom(16)])
     assert res.stored == 2 and len(seen) == 1 and c.prefix_keys == 0
+
+
+def test_a_key_given_in_any_form_is_the_same_sixteen_bytes() -> None:
+    from kvtier.service.protocol import raw_key
+
+    raw = bytes(range(16))
+    forms = [raw, bytearray(raw), memoryview(raw), raw.hex(), raw.hex().upper()]
+    assert {raw_key(k) for k in forms} == {raw}
+    for bad in (raw[:15], raw + b"\0", "zz" * 16, bytearray(17)):
+        with pytest.raises(InputError):
+            raw_key(bad)
