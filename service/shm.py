@@ -50,7 +50,7 @@ from pathlib import Path
 from kvtier.errors import ClosedError, InputError, KVTierError
 from kvtier.files import make_private_dirs
 from kvtier.keys import ChunkKey
-from kvtier.tiers.memory import populate
+from kvtier.tiers.memory import pid_alive, populate
 
 from . import shm_wire as w
 from .daemon import Daemon
@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 256
 """Connections served at once; one more is refused (one thread each)."""
 AUTO = "auto"
+SOCKET_NAME = "daemon.sock"
 _PEERCRED = struct.Struct("3i")
 
 
@@ -85,11 +86,61 @@ def socket_path(setting: str) -> tuple[Path, Path | None] | None:
         base = os.environ.get("XDG_RUNTIME_DIR") or None
         if base is not None and not os.access(base, os.W_OK):
             base = None
-        own = Path(tempfile.mkdtemp(prefix="kvtier-", dir=base))  # mode 0700
-        return own / "daemon.sock", own
+        base_dir = Path(base or tempfile.gettempdir())
+        sweep_stale_socket_dirs(base_dir)
+        # The pid in the name lets a later daemon sweep this folder if this one is killed.
+        own = Path(tempfile.mkdtemp(prefix=f"kvtier-{os.getpid()}-", dir=base_dir))  # 0700
+        return own / SOCKET_NAME, own
     path = Path(setting).expanduser()
     make_private_dirs(path.parent)
     return path, None
+
+
+def sweep_stale_socket_dirs(base: Path) -> int:
+    """Remove socket folders left in ``base`` by daemons that died without closing.
+
+    A SIGKILLed daemon cannot remove the private folder ``"auto"`` made for its socket.
+    A folder is removed only when all of these hold: it is named ``kvtier-<pid>-...``,
+    it is ours (uid), that pid is gone, it holds nothing but the socket, and nobody
+    listens on that socket (a live daemon of another pid namespace still answers).
+    Returns how many folders were removed.
+    """
+    removed = 0
+    uid = os.getuid()
+    for d in base.glob("kvtier-*-*"):
+        parts = d.name.split("-")
+        if not parts[1].isdigit() or pid_alive(int(parts[1])):
+            continue
+        try:
+            st = d.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+                continue
+            if any(entry.name != SOCKET_NAME for entry in os.scandir(d)):
+                continue
+            sock = d / SOCKET_NAME
+            if sock.exists() and _listening(sock):
+                continue
+            sock.unlink(missing_ok=True)
+            d.rmdir()  # fails if anything appeared meanwhile: then it is not stale
+            removed += 1
+        except OSError:  # gone already, or not ours to remove
+            continue
+    if removed:
+        log.info("removed %d socket folder(s) left by dead daemons in %s", removed, base)
+    return removed
+
+
+def _listening(path: Path) -> bool:
+    """Whether a process accepts connections on the Unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:  # a timeout, a wrong socket type: leave it alone
+            return True
+        return True
 
 
 @dataclass

@@ -50,7 +50,8 @@ def populate(mm: mmap.mmap) -> bool:
         del anchor
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (in this pid namespace)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -70,7 +71,7 @@ def sweep_stale_arenas(base: Path = SHM_DIR) -> int:
     removed = 0
     for f in base.glob("kvtier-*-*"):
         parts = f.name.split("-")
-        if len(parts) < 3 or not parts[1].isdigit() or _pid_alive(int(parts[1])):
+        if len(parts) < 3 or not parts[1].isdigit() or pid_alive(int(parts[1])):
             continue
         try:
             f.unlink()

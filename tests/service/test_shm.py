@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -448,6 +449,60 @@ def test_a_configured_socket_path_is_private_and_removed_at_stop(
         assert c._shm is not None
     assert d.stop() in (0, -15)
     assert not where.exists()
+
+
+def test_a_killed_daemons_socket_folder_is_swept_by_the_next_daemon(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A short base: a Unix socket path must stay under 108 bytes.
+    with tempfile.TemporaryDirectory(prefix="kvs-") as base:
+        monkeypatch.setenv("XDG_RUNTIME_DIR", base)
+        killed = start_daemon(tmp_path)
+        left = Path(_socket_of(killed)).parent
+        assert left.parent == Path(base) and left.name.startswith(f"kvtier-{killed.proc.pid}-")
+        killed.proc.kill()
+        killed.proc.wait()
+        assert (left / "daemon.sock").exists()  # SIGKILL: nothing removed it
+        second = start_daemon(tmp_path)
+        try:
+            assert not left.exists()
+            assert "removed 1 socket folder(s) left by dead daemons" in second.log.read_text()
+            mine = Path(_socket_of(second)).parent
+            with Client(second.url) as c:
+                assert c.put(os.urandom(16), b"after the sweep").stored == 1
+                assert c._shm is not None and c._shm.path == str(mine / "daemon.sock")
+        finally:
+            assert second.stop() in (0, -15)
+        assert not mine.exists()
+        assert os.listdir(base) == []
+
+
+def test_the_socket_sweep_leaves_what_is_not_a_dead_daemons_folder(tmp_path: Path) -> None:
+    from kvtier.service.shm import sweep_stale_socket_dirs
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    gone = int(dead.stdout)
+    stale = tmp_path / f"kvtier-{gone}-stale"
+    extra = tmp_path / f"kvtier-{gone}-extra"  # holds something else: not ours to judge
+    live_pid = tmp_path / f"kvtier-{os.getpid()}-live"
+    listened = tmp_path / f"kvtier-{gone}-listened"  # e.g. a daemon of another pid namespace
+    other = tmp_path / "kvtier-demo-x"
+    for d in (stale, extra, live_pid, listened, other):
+        d.mkdir()
+    (extra / "notes.txt").write_text("keep")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.bind(str(stale / "daemon.sock"))  # bound, then closed: nobody listens
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
+        listener.bind(str(listened / "daemon.sock"))
+        listener.listen(1)
+        assert sweep_stale_socket_dirs(tmp_path) == 1
+    assert not stale.exists()
+    assert all(d.exists() for d in (extra, live_pid, listened, other))
 
 
 def test_bad_socket_settings_are_one_line_config_errors() -> None:
