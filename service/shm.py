@@ -100,16 +100,23 @@ def sweep_stale_socket_dirs(base: Path) -> int:
     """Remove socket folders left in ``base`` by daemons that died without closing.
 
     A SIGKILLed daemon cannot remove the private folder ``"auto"`` made for its socket.
-    A folder is removed only when all of these hold: it is named ``kvtier-<pid>-...``,
-    it is ours (uid), that pid is gone, it holds nothing but the socket, and nobody
-    listens on that socket (a live daemon of another pid namespace still answers).
-    Returns how many folders were removed.
+    A folder is removed only when all of these hold: it is ours (uid), it holds nothing
+    but the socket, nobody listens on that socket (a live daemon of another pid
+    namespace still answers), and either it is named ``kvtier-<pid>-...`` with that pid
+    gone, or it has the name earlier versions gave (``kvtier-`` and 8 random characters,
+    no pid) and its socket is there. Returns how many folders were removed.
     """
     removed = 0
     uid = os.getuid()
-    for d in base.glob("kvtier-*-*"):
+    for d in base.glob("kvtier-*"):
         parts = d.name.split("-")
-        if not parts[1].isdigit() or pid_alive(int(parts[1])):
+        if len(parts) == 3 and parts[1].isdigit():
+            if pid_alive(int(parts[1])):
+                continue
+            legacy = False
+        elif len(parts) == 2 and len(parts[1]) == 8:
+            legacy = True  # whose it was cannot be told: only its dead socket says stale
+        else:
             continue
         try:
             st = d.lstat()
@@ -118,7 +125,8 @@ def sweep_stale_socket_dirs(base: Path) -> int:
             if any(entry.name != SOCKET_NAME for entry in os.scandir(d)):
                 continue
             sock = d / SOCKET_NAME
-            if sock.exists() and _listening(sock):
+            present = sock.exists()
+            if (legacy and not present) or (present and _listening(sock)):
                 continue
             sock.unlink(missing_ok=True)
             d.rmdir()  # fails if anything appeared meanwhile: then it is not stale

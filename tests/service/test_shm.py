@@ -492,17 +492,29 @@ def test_the_socket_sweep_leaves_what_is_not_a_dead_daemons_folder(tmp_path: Pat
     live_pid = tmp_path / f"kvtier-{os.getpid()}-live"
     listened = tmp_path / f"kvtier-{gone}-listened"  # e.g. a daemon of another pid namespace
     other = tmp_path / "kvtier-demo-x"
-    for d in (stale, extra, live_pid, listened, other):
+    # Earlier versions named the folder kvtier-XXXXXXXX: no pid, so only a dead socket counts.
+    legacy_stale = tmp_path / "kvtier-ab_cd123"
+    legacy_empty = tmp_path / "kvtier-ef_gh456"  # e.g. an old daemon before its bind
+    legacy_listened = tmp_path / "kvtier-ij_kl789"
+    dirs = (stale, extra, live_pid, listened, other, legacy_stale, legacy_empty, legacy_listened)
+    for d in dirs:
         d.mkdir()
     (extra / "notes.txt").write_text("keep")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
-        s.bind(str(stale / "daemon.sock"))  # bound, then closed: nobody listens
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
+    for d in (stale, legacy_stale):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.bind(str(d / "daemon.sock"))  # bound, then closed: nobody listens
+    with (
+        socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener,
+        socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as legacy_listener,
+    ):
         listener.bind(str(listened / "daemon.sock"))
         listener.listen(1)
-        assert sweep_stale_socket_dirs(tmp_path) == 1
-    assert not stale.exists()
-    assert all(d.exists() for d in (extra, live_pid, listened, other))
+        legacy_listener.bind(str(legacy_listened / "daemon.sock"))
+        legacy_listener.listen(1)
+        assert sweep_stale_socket_dirs(tmp_path) == 2
+    assert not stale.exists() and not legacy_stale.exists()
+    kept = (extra, live_pid, listened, other, legacy_empty, legacy_listened)
+    assert all(d.exists() for d in kept)
 
 
 def test_bad_socket_settings_are_one_line_config_errors() -> None:
