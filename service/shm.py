@@ -37,6 +37,7 @@ import json
 import logging
 import mmap
 import os
+import re
 import shutil
 import socket
 import stat
@@ -50,7 +51,7 @@ from pathlib import Path
 from kvtier.errors import ClosedError, InputError, KVTierError
 from kvtier.files import make_private_dirs
 from kvtier.keys import ChunkKey
-from kvtier.tiers.memory import pid_alive, populate
+from kvtier.tiers.memory import owner_pid, pid_alive, populate
 
 from . import shm_wire as w
 from .daemon import Daemon
@@ -62,6 +63,7 @@ MAX_CONNECTIONS = 256
 """Connections served at once; one more is refused (one thread each)."""
 AUTO = "auto"
 SOCKET_NAME = "daemon.sock"
+_LEGACY_NAME = re.compile(r"kvtier-[^-]{8}")  # before the pid: mkdtemp's 8 random characters
 _PEERCRED = struct.Struct("3i")
 
 
@@ -109,14 +111,10 @@ def sweep_stale_socket_dirs(base: Path) -> int:
     removed = 0
     uid = os.getuid()
     for d in base.glob("kvtier-*"):
-        parts = d.name.split("-")
-        if len(parts) == 3 and parts[1].isdigit():
-            if pid_alive(int(parts[1])):
-                continue
-            legacy = False
-        elif len(parts) == 2 and len(parts[1]) == 8:
-            legacy = True  # whose it was cannot be told: only its dead socket says stale
-        else:
+        pid = owner_pid(d.name)
+        # An earlier name says nothing of whose it was: only its dead socket says stale.
+        legacy = pid is None and _LEGACY_NAME.fullmatch(d.name) is not None
+        if (pid is None and not legacy) or (pid is not None and pid_alive(pid)):
             continue
         try:
             st = d.lstat()
@@ -125,8 +123,7 @@ def sweep_stale_socket_dirs(base: Path) -> int:
             if any(entry.name != SOCKET_NAME for entry in os.scandir(d)):
                 continue
             sock = d / SOCKET_NAME
-            present = sock.exists()
-            if (legacy and not present) or (present and _listening(sock)):
+            if (legacy and not sock.exists()) or _listening(sock):
                 continue
             sock.unlink(missing_ok=True)
             d.rmdir()  # fails if anything appeared meanwhile: then it is not stale

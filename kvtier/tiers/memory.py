@@ -61,6 +61,15 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def owner_pid(name: str) -> int | None:
+    """The pid in a ``kvtier-<pid>-...`` name (arenas, the daemon's socket folders): the
+    process that made it, whose death makes it garbage. None for any other name."""
+    parts = name.split("-", 2)
+    if len(parts) < 3 or parts[0] != "kvtier" or not parts[1].isdigit():
+        return None
+    return int(parts[1])
+
+
 def sweep_stale_arenas(base: Path = SHM_DIR) -> int:
     """Remove arenas left in ``base`` by kvtier processes that died without closing them.
 
@@ -70,8 +79,8 @@ def sweep_stale_arenas(base: Path = SHM_DIR) -> int:
     """
     removed = 0
     for f in base.glob("kvtier-*-*"):
-        parts = f.name.split("-")
-        if len(parts) < 3 or not parts[1].isdigit() or pid_alive(int(parts[1])):
+        pid = owner_pid(f.name)
+        if pid is None or pid_alive(pid):
             continue
         try:
             f.unlink()

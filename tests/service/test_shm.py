@@ -31,6 +31,7 @@ from kvtier.errors import AuthError, ConfigError, InputError
 from kvtier.service import shm_wire as w
 from kvtier.service.client import Client
 from kvtier.service.shm_client import Region
+from tests.procs import exited_pid
 
 from .conftest import TOKENS, Daemon, DaemonFactory, free_port, start_daemon
 
@@ -480,13 +481,7 @@ def test_a_killed_daemons_socket_folder_is_swept_by_the_next_daemon(
 def test_the_socket_sweep_leaves_what_is_not_a_dead_daemons_folder(tmp_path: Path) -> None:
     from kvtier.service.shm import sweep_stale_socket_dirs
 
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    gone = int(dead.stdout)
+    gone = exited_pid()
     stale = tmp_path / f"kvtier-{gone}-stale"
     extra = tmp_path / f"kvtier-{gone}-extra"  # holds something else: not ours to judge
     live_pid = tmp_path / f"kvtier-{os.getpid()}-live"

@@ -17,6 +17,7 @@ from kvtier.tiers.base import SlotRun, TierGeometry
 from kvtier.tiers.cxl import CXLTier
 from kvtier.tiers.cxl import Options as CXLOptions
 from kvtier.tiers.host import HostTier, Options
+from tests.procs import exited_pid
 
 SLOT = 4096
 
@@ -136,13 +137,7 @@ def test_process_exit_without_close_removes_its_arena() -> None:
 def test_arenas_of_killed_processes_are_swept(tmp_path: Path) -> None:
     from kvtier.tiers.memory import sweep_stale_arenas
 
-    proc = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    dead = int(proc.stdout)  # this pid has exited
+    dead = exited_pid()
     stale = tmp_path / f"kvtier-{dead}-0-host-abc123"
     stale.write_bytes(b"x")
     mine = tmp_path / f"kvtier-{__import__('os').getpid()}-0-host-def456"
