@@ -23,6 +23,25 @@ import torch
 from kvtier.transfer.sync import STREAMS
 
 
+class _Restore:
+    """Puts back the current streams of the caller's device and of ``device`` (setting a
+    stream also makes its device current, as ``torch.cuda.stream`` would on exit)."""
+
+    __slots__ = ("_caller", "_ours")
+
+    def __init__(self, device: torch.device) -> None:
+        self._caller = torch.cuda.current_stream()
+        self._ours = torch.cuda.current_stream(device)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.set_stream(self._ours)
+        if self._caller.device != self._ours.device:
+            torch.cuda.set_stream(self._caller)
+
+
 class CudaSync:
     """Stream-ordered execution on one CUDA device."""
 
@@ -33,9 +52,21 @@ class CudaSync:
         self._streams: dict[str, torch.cuda.Stream] = {}
         for name in STREAMS:
             self._streams[name] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        # Events that only carry an order from one stream to another, recorded and waited
+        # on at once, are reused: a stream wait takes the event's latest record at the
+        # time of the wait, so re-recording it later changes nothing already waited for.
+        # A fresh event costs its creation at first record (Event() plus record: 15-21 us
+        # against 1.6 us for a reused one, H100 host), two per unit of a transfer. Used
+        # under the engine's lock only.
+        self._links: dict[tuple[str, str], torch.cuda.Event] = {}
 
-    def on(self, name: str) -> AbstractContextManager[Any]:
-        return torch.cuda.stream(self._streams[name])
+    def issuing(self) -> AbstractContextManager[Any]:
+        return _Restore(self.device)
+
+    def use(self, name: str) -> None:
+        # One C call. ``torch.cuda.stream(...)`` as a context per step cost 19 us of
+        # Python warm and 44 us after 2 ms idle (H100 host), 16 of them per 2K store.
+        torch.cuda.set_stream(self._streams[name])
 
     def record(self, name: str) -> torch.cuda.Event:
         ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -46,9 +77,20 @@ class CudaSync:
         if event is not None:
             self._streams[name].wait_event(event)
 
+    def _link(self, first: str, then: str) -> torch.cuda.Event:
+        ev = self._links.get((first, then))
+        if ev is None:
+            ev = self._links[first, then] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        return ev
+
+    def order(self, first: str, then: str) -> None:
+        ev = self._link(first, then)
+        ev.record(self._streams[first])
+        self._streams[then].wait_event(ev)
+
     def after_current(self, name: str) -> None:
         """Make stream ``name`` wait for everything queued so far on the current stream."""
-        ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ev = self._link("current", name)
         ev.record(torch.cuda.current_stream(self.device))
         self._streams[name].wait_event(ev)
 

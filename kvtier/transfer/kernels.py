@@ -114,6 +114,10 @@ class LayerTable:
         self.table = torch.tensor(
             [t.data_ptr() for t in layers], dtype=torch.int64, device=first.device
         )
+        # Made once per cache, on whichever stream is current, and read later from the
+        # engine's side streams: let the copy land before any of them can use it.
+        if first.is_cuda:
+            torch.cuda.current_stream(first.device).synchronize()
 
     @property
     def usable(self) -> bool:

@@ -22,8 +22,13 @@ class Sync(Protocol):
     # True when every operation has finished by the time it returns (CPU).
     immediate: bool
 
-    def on(self, name: str) -> AbstractContextManager[Any]:
-        """Context in which operations are issued to stream ``name``."""
+    def issuing(self) -> AbstractContextManager[Any]:
+        """Context of one transfer's enqueue: on exit, the caller's current stream (and
+        device) are as they were on entry, whatever :meth:`use` did in between."""
+        ...
+
+    def use(self, name: str) -> None:
+        """Issue later operations to stream ``name``; only inside :meth:`issuing`."""
         ...
 
     def record(self, name: str) -> Any:
@@ -32,6 +37,10 @@ class Sync(Protocol):
 
     def wait(self, name: str, event: Any) -> None:
         """Order later work on ``name`` after ``event`` (None: nothing to wait for)."""
+        ...
+
+    def order(self, first: str, then: str) -> None:
+        """Order later work on ``then`` after the work issued so far on ``first``."""
         ...
 
     def after_current(self, name: str) -> None:
@@ -60,13 +69,19 @@ class CpuSync:
 
     immediate = True
 
-    def on(self, name: str) -> AbstractContextManager[Any]:
+    def issuing(self) -> AbstractContextManager[Any]:
         return contextlib.nullcontext()
+
+    def use(self, name: str) -> None:
+        return None
 
     def record(self, name: str) -> Any:
         return None
 
     def wait(self, name: str, event: Any) -> None:
+        return None
+
+    def order(self, first: str, then: str) -> None:
         return None
 
     def after_current(self, name: str) -> None:

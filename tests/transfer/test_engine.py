@@ -292,6 +292,46 @@ def test_back_to_back_transfers_reuse_slots(device, options):
         assert _host_ref(layers, s, 0) == src.numpy().tobytes()
 
 
+@pytest.mark.parametrize(
+    ("device", "options"),
+    [p for p in ENGINES if p.id in ("cuda-ramp", "cuda-per-layer", "cuda-split")],
+)
+def test_transfers_follow_the_callers_stream_and_leave_it_current(device, options):
+    """A store sees what the caller's current stream wrote before it, a load lands
+    before what that stream runs after it, and both leave that stream current (the
+    engine switches between its own streams while it enqueues)."""
+    layers = _make(Layout.LBNHC, torch.bfloat16, device)
+    kv = PagedKV(layers)
+    engine = TransferEngine(device, options)
+    ids = list(range(0, BLOCKS, 2))
+    caller = torch.cuda.Stream()
+    with torch.cuda.stream(caller):
+        # A long kernel, then the fill: a store not ordered after them would read poison.
+        _fill_poison(layers)
+        torch.cuda._sleep(20_000_000)
+        for t in layers:
+            torch.empty(0, dtype=torch.uint8, device=device).set_(t.untyped_storage()).fill_(7)
+        host = _host(kv.nbytes(len(ids)), device)
+        engine.store(kv, ids, host).wait()
+        assert torch.cuda.current_stream() == caller
+        assert host.numpy().tobytes() == bytes([7]) * host.numel()
+
+        src = _host(host.numel(), device, 9)
+        # Enqueued from another stream, busy for a while: the load waits for it, and the
+        # read below (on ``caller``, idle) would overtake it without the per-layer waits.
+        other = torch.cuda.Stream()
+        with torch.cuda.stream(other):
+            torch.cuda._sleep(20_000_000)
+            h = engine.load(src, kv, ids)
+            assert torch.cuda.current_stream() == other
+        h.wait_for_layer(LAYERS - 1)
+        h.wait_for_layer(0)
+        # Queued on the caller's stream after the waits: reads what the load wrote.
+        seen = torch.cat([t[ids].reshape(-1).view(torch.uint8) for t in layers]).cpu()
+    assert torch.cuda.current_stream() != caller
+    assert bytes(seen.numpy()) == bytes([9]) * seen.numel()
+
+
 def test_store_into_shared_arena():
     """The host tier's arena is a valid destination (pinned there when CUDA exists)."""
     layers = _make(Layout.LBHNC, torch.float16, "cpu")
