@@ -131,9 +131,9 @@ def _fill_random(layers, gen_seed: int) -> None:
         raw.copy_(torch.randint(0, 256, (raw.numel(),), dtype=torch.uint8, generator=g))
 
 
-def _fill_poison(layers) -> None:
+def _fill_poison(layers, value: int = POISON) -> None:
     for t in layers:
-        torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).fill_(POISON)
+        torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).fill_(value)
 
 
 def _ints(t):
@@ -309,8 +309,7 @@ def test_transfers_follow_the_callers_stream_and_leave_it_current(device, option
         # A long kernel, then the fill: a store not ordered after them would read poison.
         _fill_poison(layers)
         torch.cuda._sleep(20_000_000)
-        for t in layers:
-            torch.empty(0, dtype=torch.uint8, device=device).set_(t.untyped_storage()).fill_(7)
+        _fill_poison(layers, 7)
         host = _host(kv.nbytes(len(ids)), device)
         engine.store(kv, ids, host).wait()
         assert torch.cuda.current_stream() == caller
