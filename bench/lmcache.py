@@ -13,14 +13,17 @@ bytes for every backend, all engines open at once in one process:
   before the pool, as a baseline in the same run;
 * ``kvtier-remote-host``: the same connector to a daemon whose one tier is host memory;
 * ``kvtier-embedded``: ``KVTierStoragePlugin`` with the same nvme tier in-process;
+* ``kvtier-embedded-host``: ``KVTierStoragePlugin`` with one host-memory tier in-process;
 * ``lmcache-localdisk``: LMCache's ``LocalDiskBackend`` (``local_disk: file://``);
 * ``lmcache-fs``: LMCache's ``fs`` remote connector (one file per chunk);
 * ``lmcache-redis``: LMCache's ``redis`` remote connector on a real ``redis-server``.
 
 Durability classes: ``kvtier-remote`` (and ``-copy``), ``kvtier-embedded``, ``lmcache-localdisk`` and
 ``lmcache-fs`` keep chunks in files written through the OS page cache without fsync;
-``kvtier-remote-host`` and ``lmcache-redis`` keep them in memory. Each kvtier row is
-compared with the best LMCache row of its class. Per backend: store throughput
+``kvtier-remote-host``, ``kvtier-embedded-host`` and ``lmcache-redis`` keep them in memory.
+Each kvtier row is compared with the best LMCache row of its class, and also with the
+best LMCache row that behaves as it does across a restart (measured: every chunk kept,
+or none; ``LocalDiskBackend`` writes files but keeps none of them). Per backend: store throughput
 (``engine.store`` until the backend holds every chunk), once into the empty backend and
 then over ``--store-rounds`` fresh prompts once it is warm (each round stores one new
 prompt into every backend, the order rotating, and retrieves the main prompt again,
@@ -352,6 +355,27 @@ def _finish(engines: _Engines, b: _Backend, row: dict[str, Any], tokens: list[in
     row["hit_rate_after_restart"] = hit / len(tokens)
 
 
+def _restart_ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Retrieve ratios, each kvtier row against the fastest LMCache row (median
+    retrieve) that behaved as it did across the restart: kept every chunk, or none.
+    Rows that kept some but not all are in neither group."""
+    out: dict[str, dict[str, float]] = {}
+    for kept in (True, False):
+        group = [
+            r
+            for r in rows
+            if r["complete"] and r["hit_rate_after_restart"] == (1.0 if kept else 0.0)
+        ]
+        theirs = [r for r in group if r["backend"].startswith("lmcache-")]
+        if not theirs:
+            continue
+        best = max(theirs, key=lambda r: r["retrieve_GBps"])["backend"]
+        label = "kept at restart" if kept else "lost at restart"
+        for ours in (r["backend"] for r in group if r["backend"].startswith("kvtier-")):
+            out[f"{ours}_retrieve_vs_{best} ({label})"] = _round_ratios(rows, ours, best)
+    return out
+
+
 def _store_ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Steady-state store ratios, kvtier row / LMCache row of the same durability class,
     per store round (one round's stores run back to back, so they meet the same load)."""
@@ -446,6 +470,8 @@ def main(argv: list[str]) -> int:
     (tmp / "daemon-copy").mkdir()
     (tmp / "daemon-copy" / "kvtier.toml").write_text(_nvme_toml(tmp / "daemon-copy", capacity))
     (tmp / "daemon-host").mkdir()
+    (tmp / "embedded-host").mkdir()
+    (tmp / "embedded-host" / "kvtier.toml").write_text(_host_toml(capacity))
     (tmp / "daemon-host" / "kvtier.toml").write_text(_host_toml(capacity))
     port, host_port, copy_port = _free_port(), _free_port(), _free_port()
     state: dict[str, Any] = {"daemon": _serve(tmp / "daemon", port)}
@@ -519,6 +545,20 @@ def main(argv: list[str]) -> int:
                     "storage_plugin.kvtier.module_path": "kvtier.connectors.lmcache",
                     "storage_plugin.kvtier.class_name": "KVTierStoragePlugin",
                     "storage_plugin.kvtier.config_file": str(tmp / "embedded" / "kvtier.toml"),
+                },
+            },
+            "kvtier",
+            nothing,
+        ),
+        _Backend(
+            "kvtier-embedded-host",
+            "memory",
+            lambda: {
+                "storage_plugins": ["kvtier"],
+                "extra_config": {
+                    "storage_plugin.kvtier.module_path": "kvtier.connectors.lmcache",
+                    "storage_plugin.kvtier.class_name": "KVTierStoragePlugin",
+                    "storage_plugin.kvtier.config_file": str(tmp / "embedded-host" / "kvtier.toml"),
                 },
             },
             "kvtier",
@@ -624,13 +664,14 @@ def main(argv: list[str]) -> int:
             rows, "kvtier-remote", "kvtier-remote-copy"
         )
     if "lmcache-redis" in names:  # the memory class: LMCache's redis connector
-        for ours in ("kvtier-remote-host", "kvtier-remote"):
+        for ours in ("kvtier-remote-host", "kvtier-embedded-host", "kvtier-remote"):
             if ours in names:
                 ratios[f"{ours}_retrieve_vs_lmcache-redis"] = _round_ratios(
                     rows, ours, "lmcache-redis"
                 )
+    by_restart = _restart_ratios(rows)
     store_ratios = _store_ratios(rows)
-    for what, v in [*ratios.items(), *store_ratios.items()]:
+    for what, v in [*ratios.items(), *by_restart.items(), *store_ratios.items()]:
         print(
             f"{what}: {v['median']:.2f}x (per-round median; min {v['min']:.2f}, max "
             f"{v['max']:.2f}; ratio of medians {v['of_medians']:.2f})"
@@ -645,6 +686,7 @@ def main(argv: list[str]) -> int:
         "lmcache",
         rows,
         ratios=ratios,
+        ratios_by_restart=by_restart,
         store_ratios=store_ratios,
         store_rounds=args.store_rounds,
         verified=verified,
