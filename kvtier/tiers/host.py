@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import numpy.typing as npt
 from typing_extensions import override
 
 from kvtier.enums import Switch
+from kvtier.errors import ConfigError
 from kvtier.tiers.base import SlotRun, Tier, TierGeometry, TierProfile, TierSection
 from kvtier.tiers.memory import SharedArena
 
@@ -27,22 +29,56 @@ class Options:
     # Fault every page in at start-up, so first writes run at memcpy speed. Off by
     # default: the arena then takes memory as it fills, not all of it at start.
     prefault: bool = False
-    # Threads that share one large copy (>= 4 MiB); 1 copies on the calling I/O thread only.
-    copy_threads: int = 1
+    # Threads that share one large copy (>= 4 MiB); 1 copies on the calling I/O thread
+    # only; 0 picks one per 4 usable cores, 1 to 4 (:func:`auto_copy_threads`).
+    copy_threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.copy_threads < 0:
+            raise ConfigError(
+                "copy_threads", self.copy_threads, "0 (one per 4 cores) or a thread count"
+            )
 
 
 # Copies at least this large are split across threads: one core's memcpy leaves DRAM
 # bandwidth unused (bench/host.py measured 1.7x at 64 MiB with two threads).
 PARALLEL_COPY_BYTES = 4 << 20
+MAX_AUTO_COPY_THREADS = 4
 _copy_pool: ThreadPoolExecutor | None = None
+_copy_pool_workers = 0
 _copy_pool_lock = threading.Lock()
 
 
+def auto_copy_threads(cores: int | None = None) -> int:
+    """``copy_threads = 0``: one thread per 4 usable cores (``cores``, by default those
+    this process may run on), at least 1 and at most :data:`MAX_AUTO_COPY_THREADS`.
+
+    One core's memcpy leaves DRAM bandwidth unused, but the cores also serve the I/O
+    threads and whatever shares the host (an inference engine): a quarter of them, and
+    no split at all below 8 cores (the 2-core VM measured no gain under shared load).
+    """
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):  # not Linux
+            cores = os.cpu_count() or 1
+    return max(1, min(MAX_AUTO_COPY_THREADS, cores // 4))
+
+
 def _pool(threads: int) -> ThreadPoolExecutor:
-    global _copy_pool
+    """The process's copy helpers, at least ``threads - 1`` of them (the caller copies a
+    piece itself). Shared by every host tier; a tier that asks for more than the pool has
+    gets a larger pool, and the old one finishes what it holds and goes."""
+    global _copy_pool, _copy_pool_workers
     with _copy_pool_lock:
-        if _copy_pool is None:
-            _copy_pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtier-copy")
+        if _copy_pool is None or _copy_pool_workers < threads - 1:
+            old = _copy_pool
+            _copy_pool_workers = max(1, threads - 1)
+            _copy_pool = ThreadPoolExecutor(
+                max_workers=_copy_pool_workers, thread_name_prefix="kvtier-copy"
+            )
+            if old is not None:
+                old.shutdown(wait=False)
         return _copy_pool
 
 
@@ -112,7 +148,7 @@ class HostTier(Tier):
     ) -> None:
         super().__init__(geometry, profile)
         opts = options or Options()
-        self._copy_threads = max(1, opts.copy_threads)
+        self.copy_threads = opts.copy_threads or auto_copy_threads()
         self.arena = SharedArena(
             self.capacity_bytes,
             self.name,
@@ -135,11 +171,11 @@ class HostTier(Tier):
 
     @override
     def _write(self, run: SlotRun, src: memoryview) -> None:
-        copy_in(self.arena.array, self.slot_bytes, run, src, self._copy_threads)
+        copy_in(self.arena.array, self.slot_bytes, run, src, self.copy_threads)
 
     @override
     def _read(self, run: SlotRun, dst: memoryview) -> None:
-        copy_out(self.arena.array, self.slot_bytes, run, dst, self._copy_threads)
+        copy_out(self.arena.array, self.slot_bytes, run, dst, self.copy_threads)
 
     @override
     def close(self) -> None:

@@ -163,3 +163,74 @@ def test_a_prefaulted_arena_is_resident_from_the_start() -> None:
     finally:
         lazy.close()
         eager.close()
+
+
+# -- copies split over threads (copy_threads) ----------------------------------------------
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+@pytest.mark.parametrize("extra", [0, 12345])  # page-aligned and ragged lengths
+def test_parallel_copy_covers_every_byte(threads: int, extra: int) -> None:
+    from kvtier.tiers.host import PARALLEL_COPY_BYTES, parallel_copy
+
+    n = PARALLEL_COPY_BYTES + 3 * 4096 + extra
+    src = np.random.default_rng(threads).integers(0, 256, size=n, dtype=np.uint8)
+    dst = np.zeros(n, dtype=np.uint8)
+    parallel_copy(dst, src, threads)
+    assert np.array_equal(dst, src)
+
+
+@pytest.mark.parametrize("value_bytes", [2 << 20, (2 << 20) - 4096])  # fills slots, or not
+def test_a_tier_with_copy_threads_round_trips_large_runs(value_bytes: int) -> None:
+    # Four 2 MiB chunks: one 8 MiB copy, split over three threads when the values fill
+    # their slots (one contiguous range); padded slots copy as one strided view. Then a
+    # single chunk, under the split's threshold.
+    import threading
+
+    slot = 2 << 20
+    tier = HostTier(
+        TierGeometry("h", 16 * slot, slot, 16 * slot), Options(pin=Switch.OFF, copy_threads=3)
+    )
+    try:
+        assert tier.copy_threads == 3
+        (e,) = tier.allocate(4)  # an aligned extent of 4, then one more slot
+        (f,) = tier.allocate(1)
+        keys = tuple(ChunkKey(bytes([i]) * 16) for i in range(4))
+        data = np.random.default_rng(7).integers(0, 256, size=4 * value_bytes, dtype=np.uint8)
+        tier.write(SlotRun(e.offset, keys, value_bytes), memoryview(data))
+        out = np.zeros_like(data)
+        tier.read(SlotRun(e.offset, keys, value_bytes), memoryview(out))
+        assert np.array_equal(out, data)
+        one = data[:value_bytes].copy()
+        tier.write(SlotRun(f.offset, (ChunkKey(bytes(16)),), value_bytes), memoryview(one))
+        back = np.zeros_like(one)
+        tier.read(SlotRun(f.offset, (ChunkKey(bytes(16)),), value_bytes), memoryview(back))
+        assert np.array_equal(back, one)
+        helpers = [t for t in threading.enumerate() if t.name.startswith("kvtier-copy")]
+        if value_bytes == slot:
+            assert helpers, "a contiguous 8 MiB copy with copy_threads=3 was not split"
+    finally:
+        tier.close()
+
+
+def test_copy_threads_default_to_one_per_four_cores() -> None:
+    from kvtier.tiers.host import auto_copy_threads
+
+    got = {c: auto_copy_threads(c) for c in (1, 2, 7, 8, 12, 16, 128)}
+    assert got == {1: 1, 2: 1, 7: 1, 8: 2, 12: 3, 16: 4, 128: 4}
+    tier = HostTier(TierGeometry("h", 4 * SLOT, SLOT, 1 << 20), Options(pin=Switch.OFF))
+    try:
+        assert tier.copy_threads == auto_copy_threads()
+    finally:
+        tier.close()
+
+
+def test_a_negative_copy_threads_is_a_config_error(tmp_path: Path) -> None:
+    from kvtier.config import load_config
+
+    with pytest.raises(ConfigError, match="copy_threads"):
+        Options(copy_threads=-1)
+    f = tmp_path / "kvtier.toml"
+    f.write_text('[[tiers]]\nkind = "host"\ncapacity_bytes = "64MiB"\ncopy_threads = -2\n')
+    with pytest.raises(ConfigError, match="copy_threads"):
+        load_config(f, env={})
