@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 
 def exited_pid() -> int:
@@ -16,3 +18,13 @@ def exited_pid() -> int:
         check=True,
     )
     return int(out.stdout)
+
+
+def engine_env(scratch: Path) -> dict[str, str]:
+    """The environment of a child process that runs a vLLM engine: this one's, less any
+    ``VLLM_`` and ``KVTIER_`` settings (the child sets its own), with the engine's
+    sockets and torch.distributed's store file under ``scratch`` (a test's temporary
+    directory): by default vLLM leaves both in the system's temp directory for good."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "KVTIER_"))}
+    env.update(VLLM_RPC_BASE_PATH=str(scratch), TMPDIR=str(scratch))
+    return env

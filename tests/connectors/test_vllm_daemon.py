@@ -18,7 +18,6 @@ pytest.importorskip("uvicorn", reason="needs the service extra: pip install 'kvt
 pytest.importorskip("httpx", reason="needs the service extra: pip install 'kvtier[service]'")
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import httpx
 import pytest
 
 from tests.connectors.conftest import BLOCK, CHUNK
+from tests.procs import engine_env
 from tests.service.conftest import Daemon, free_port, start_daemon
 
 pytest.importorskip("vllm")
@@ -52,7 +52,7 @@ class Runs:
 
 
 def _driver(model: str, url: str, out: Path, mode: str, log: Path) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "KVTIER_"))}
+    env = engine_env(log.parent)
     with log.open("wb") as f:
         return subprocess.Popen(
             [sys.executable, "-m", "tests.connectors.daemon_driver", model, url, str(out), mode],

@@ -36,6 +36,7 @@ from typing import Any
 import pytest
 
 from tests.connectors.conftest import BLOCK, CHUNK, kv_transfer_config, prompt
+from tests.procs import engine_env
 from tests.service.conftest import Daemon, free_port, start_daemon
 
 pytest.importorskip("vllm")
@@ -85,7 +86,7 @@ def _serve(model: str, role: str, daemon: str, log: Path, **extra: Any) -> Serve
         # Off, so that the repeat in B would be a kvtier load (and not vLLM's own hit) if
         # the producer loaded at all.
         args.append("--no-enable-prefix-caching")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "KVTIER_"))}
+    env = engine_env(log.parent)
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     with log.open("wb") as out:
         proc = subprocess.Popen(

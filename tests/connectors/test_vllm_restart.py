@@ -12,7 +12,6 @@ one's clean shutdown.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 
 from tests.connectors.conftest import CHUNK
 from tests.connectors.restart_driver import PROMPT_SEEDS
+from tests.procs import engine_env
 
 pytest.importorskip("vllm")
 
@@ -34,7 +34,7 @@ FULL = 4 * CHUNK  # full chunks of each 300-token prompt
 def _run(
     model: str, nvme: Path, out: Path, mode: str, timeout_s: float = 600, tp: str = "1"
 ) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "KVTIER_"))}
+    env = engine_env(out.parent)
     log = out.with_suffix(".log")
     with log.open("wb") as f:
         proc = subprocess.Popen(
