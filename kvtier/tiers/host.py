@@ -68,17 +68,15 @@ def auto_copy_threads(cores: int | None = None) -> int:
 def _pool(threads: int) -> ThreadPoolExecutor:
     """The process's copy helpers, at least ``threads - 1`` of them (the caller copies a
     piece itself). Shared by every host tier; a tier that asks for more than the pool has
-    gets a larger pool, and the old one finishes what it holds and goes."""
+    gets a larger pool. The old one is dropped, not shut down: a copy that took it a
+    moment ago may still submit to it, and its threads end once nothing refers to it."""
     global _copy_pool, _copy_pool_workers
     with _copy_pool_lock:
         if _copy_pool is None or _copy_pool_workers < threads - 1:
-            old = _copy_pool
             _copy_pool_workers = max(1, threads - 1)
             _copy_pool = ThreadPoolExecutor(
                 max_workers=_copy_pool_workers, thread_name_prefix="kvtier-copy"
             )
-            if old is not None:
-                old.shutdown(wait=False)
         return _copy_pool
 
 
@@ -92,8 +90,9 @@ def parallel_copy(dst: npt.NDArray[Any], src: npt.NDArray[Any], threads: int) ->
         np.copyto(dst, src)
         return
     step = ((n // threads + 4095) // 4096) * 4096  # page-aligned pieces
+    pool = _pool(threads)
     futs = [
-        _pool(threads).submit(np.copyto, dst[lo : lo + step], src[lo : lo + step])
+        pool.submit(np.copyto, dst[lo : lo + step], src[lo : lo + step])
         for lo in range(step, n, step)
     ]
     np.copyto(dst[:step], src[:step])

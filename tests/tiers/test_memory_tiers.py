@@ -234,3 +234,31 @@ def test_a_negative_copy_threads_is_a_config_error(tmp_path: Path) -> None:
     f.write_text('[[tiers]]\nkind = "host"\ncapacity_bytes = "64MiB"\ncopy_threads = -2\n')
     with pytest.raises(ConfigError, match="copy_threads"):
         load_config(f, env={})
+
+
+def test_tiers_asking_for_more_copy_threads_while_others_copy_lose_no_piece() -> None:
+    # A tier that needs a larger pool replaces it while copies of others are in flight:
+    # those copies keep submitting to the pool they took, and every byte still lands.
+    import threading
+
+    from kvtier.tiers.host import PARALLEL_COPY_BYTES, parallel_copy
+
+    n = 2 * PARALLEL_COPY_BYTES
+    src = np.random.default_rng(3).integers(0, 256, size=n, dtype=np.uint8)
+    errors: list[BaseException] = []
+
+    def copy(threads: int) -> None:
+        try:
+            for _ in range(40):
+                dst = np.zeros(n, dtype=np.uint8)
+                parallel_copy(dst, src, threads)
+                assert np.array_equal(dst, src)
+        except BaseException as exc:  # reported below, from the test's thread
+            errors.append(exc)
+
+    workers = [threading.Thread(target=copy, args=(t,)) for t in (2, 3, 5, 8, 2, 6)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert errors == []
