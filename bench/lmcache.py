@@ -470,9 +470,9 @@ def main(argv: list[str]) -> int:
     (tmp / "daemon-copy").mkdir()
     (tmp / "daemon-copy" / "kvtier.toml").write_text(_nvme_toml(tmp / "daemon-copy", capacity))
     (tmp / "daemon-host").mkdir()
+    (tmp / "daemon-host" / "kvtier.toml").write_text(_host_toml(capacity))
     (tmp / "embedded-host").mkdir()
     (tmp / "embedded-host" / "kvtier.toml").write_text(_host_toml(capacity))
-    (tmp / "daemon-host" / "kvtier.toml").write_text(_host_toml(capacity))
     port, host_port, copy_port = _free_port(), _free_port(), _free_port()
     state: dict[str, Any] = {"daemon": _serve(tmp / "daemon", port)}
     state["daemon-copy"] = _serve(tmp / "daemon-copy", copy_port)
@@ -500,6 +500,17 @@ def main(argv: list[str]) -> int:
 
     def nothing() -> None:
         return None
+
+    def embedded(folder: str) -> dict[str, Any]:
+        """The storage plug-in over the kvtier config in ``tmp / folder``."""
+        return {
+            "storage_plugins": ["kvtier"],
+            "extra_config": {
+                "storage_plugin.kvtier.module_path": "kvtier.connectors.lmcache",
+                "storage_plugin.kvtier.class_name": "KVTierStoragePlugin",
+                "storage_plugin.kvtier.config_file": str(tmp / folder / "kvtier.toml"),
+            },
+        }
 
     def remote(daemon: str, **extra: Any) -> dict[str, Any]:
         return {
@@ -537,32 +548,10 @@ def main(argv: list[str]) -> int:
             restart_host_daemon,
         ),
         _Backend(
-            "kvtier-embedded",
-            "files, no fsync",
-            lambda: {
-                "storage_plugins": ["kvtier"],
-                "extra_config": {
-                    "storage_plugin.kvtier.module_path": "kvtier.connectors.lmcache",
-                    "storage_plugin.kvtier.class_name": "KVTierStoragePlugin",
-                    "storage_plugin.kvtier.config_file": str(tmp / "embedded" / "kvtier.toml"),
-                },
-            },
-            "kvtier",
-            nothing,
+            "kvtier-embedded", "files, no fsync", lambda: embedded("embedded"), "kvtier", nothing
         ),
         _Backend(
-            "kvtier-embedded-host",
-            "memory",
-            lambda: {
-                "storage_plugins": ["kvtier"],
-                "extra_config": {
-                    "storage_plugin.kvtier.module_path": "kvtier.connectors.lmcache",
-                    "storage_plugin.kvtier.class_name": "KVTierStoragePlugin",
-                    "storage_plugin.kvtier.config_file": str(tmp / "embedded-host" / "kvtier.toml"),
-                },
-            },
-            "kvtier",
-            nothing,
+            "kvtier-embedded-host", "memory", lambda: embedded("embedded-host"), "kvtier", nothing
         ),
         _Backend(
             "lmcache-localdisk",

@@ -20,11 +20,16 @@ def exited_pid() -> int:
     return int(out.stdout)
 
 
+def vllm_scratch(scratch: Path) -> dict[str, str]:
+    """Settings that put a vLLM engine's sockets and torch.distributed's store file under
+    ``scratch`` (a test's temporary directory): by default vLLM leaves both in the
+    system's temp directory for good."""
+    return {"VLLM_RPC_BASE_PATH": str(scratch), "TMPDIR": str(scratch)}
+
+
 def engine_env(scratch: Path) -> dict[str, str]:
     """The environment of a child process that runs a vLLM engine: this one's, less any
-    ``VLLM_`` and ``KVTIER_`` settings (the child sets its own), with the engine's
-    sockets and torch.distributed's store file under ``scratch`` (a test's temporary
-    directory): by default vLLM leaves both in the system's temp directory for good."""
+    ``VLLM_`` and ``KVTIER_`` settings (the child sets its own), plus
+    :func:`vllm_scratch`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "KVTIER_"))}
-    env.update(VLLM_RPC_BASE_PATH=str(scratch), TMPDIR=str(scratch))
-    return env
+    return env | vllm_scratch(scratch)

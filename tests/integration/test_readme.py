@@ -48,6 +48,8 @@ from typing import Any
 
 import pytest
 
+from tests.procs import vllm_scratch
+
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```[ \t]*$", re.M | re.S)
@@ -137,10 +139,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     home = tmp_path_factory.mktemp("home")
     e = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
     e.update(HOME=str(home), VLLM_CPU_OMP_THREADS_BIND="nobind")
-    # vLLM leaves its engine's sockets and torch.distributed's store file in the temp
-    # directory for good: the suite's go into one of its own.
-    scratch = str(tmp_path_factory.mktemp("tmp"))
-    e.update(VLLM_RPC_BASE_PATH=scratch, TMPDIR=scratch)
+    e.update(vllm_scratch(tmp_path_factory.mktemp("tmp")))
     e.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     e["README_DAEMON_PORT"] = str(free_port())
     e["README_VLLM_PORT"] = str(free_port())
