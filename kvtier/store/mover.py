@@ -329,6 +329,16 @@ class Mover:
         with self.index.lock:
             keys = self.index.hottest_locked(t)[:limit]
         keys.reverse()
+        if keys:
+            # Said before the move, which runs at disk speed: an operator whose service
+            # manager stops the daemon sees why the stop takes time (docs/operations.md).
+            log.info(
+                "tier %s: moving %d chunk(s) (%.1f MiB) into %s before closing",
+                self.tiers[t].name,
+                len(keys),
+                len(keys) * self.tiers[t].slot_bytes / (1 << 20),
+                self.tiers[target].name,
+            )
         moved = 0
         for lo in range(0, len(keys), batch):
             with self.index.lock:

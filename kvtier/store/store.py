@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -518,6 +519,7 @@ class TieredStore:
             if tier.persistent or tier.shared or not below:
                 continue
             target = below[0]
+            started = time.monotonic()
             try:
                 moved = self._mover.persist(t, target, room[target])
             except Exception:  # close must finish: what did not move is lost, as in a crash
@@ -527,10 +529,11 @@ class TieredStore:
             total += moved
             if moved:
                 log.info(
-                    "tier %s: %d chunk(s) moved into %s before closing",
+                    "tier %s: %d chunk(s) moved into %s before closing (%.1f s)",
                     tier.name,
                     moved,
                     self.tiers[target].name,
+                    time.monotonic() - started,
                 )
         return total
 

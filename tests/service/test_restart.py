@@ -15,11 +15,13 @@ pytest.importorskip("httpx", reason="needs the service extra: pip install 'kvtie
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import httpx
 
-from tests.service.conftest import DaemonFactory
+from kvtier.tiers.memory import SHM_DIR
+from tests.service.conftest import Daemon, DaemonFactory, start_daemon
 
 VALUE_BYTES = 1 << 20
 
@@ -122,3 +124,53 @@ def test_an_nvme_only_daemon_stores_and_keeps(daemon_factory: DaemonFactory, tmp
     _stop_cleanly(first)
     second = daemon_factory(*args, small=False)
     assert _survivors(second.url, vals) == (16, 0)
+
+
+def _wait_for(d: Daemon, text: str, timeout_s: float = 60.0) -> bool:
+    """Wait until ``text`` shows in the daemon's log (whitespace-normalised)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if text in " ".join(d.log.read_text().split()):
+            return True
+        time.sleep(0.002)
+    return False
+
+
+def test_a_kill_during_the_shutdown_move_keeps_what_moved_and_nothing_wrong(
+    daemon_factory: DaemonFactory, tmp_path: Path
+) -> None:
+    # A service manager that runs out of patience (systemd's TimeoutStopSec) SIGKILLs a
+    # daemon while it moves its host tier into nvme. What had moved (and been committed)
+    # comes back with its exact bytes, the rest is a miss, the next daemon starts and
+    # serves, and the killed daemon's shared-memory arena does not outlive it.
+    args = _args(tmp_path / "data", "256MiB", "2GiB")
+    moving = "chunk(s) (160.0 MiB) into nvme before closing"
+    # A clean stop first: how long this machine's move of 160 chunks takes.
+    d = start_daemon(tmp_path, *args)
+    kept = _put_all(d.url, 160)
+    d.proc.send_signal(signal.SIGTERM)
+    assert _wait_for(d, moving), d.log.read_text()
+    t0 = time.monotonic()
+    assert _wait_for(d, "160 chunk(s) moved into nvme before closing"), d.log.read_text()
+    move_s = time.monotonic() - t0
+    assert d.proc.wait(60) in (0, -signal.SIGTERM)
+    rounds: list[tuple[dict[str, bytes], bool, int]] = []
+    for fraction in (0.0, 0.3, 0.7):
+        d = start_daemon(tmp_path, *args)
+        vals = _put_all(d.url, 160)
+        d.proc.send_signal(signal.SIGTERM)
+        assert _wait_for(d, moving), d.log.read_text()
+        time.sleep(fraction * move_s)
+        d.proc.kill()
+        d.proc.wait()
+        finished = "moved into nvme before closing" in " ".join(d.log.read_text().split())
+        rounds.append((vals, finished, d.proc.pid))
+    # The test means nothing unless some kill landed before the move finished.
+    assert not all(finished for _, finished, _ in rounds), f"every move beat its kill ({move_s} s)"
+    last = daemon_factory(*args)
+    assert _survivors(last.url, kept) == (160, 0)  # the clean stop's chunks, untouched
+    for vals, _, pid in rounds:
+        assert _survivors(last.url, vals)[1] == 0  # some, all or none back; none wrong
+        assert not list(SHM_DIR.glob(f"kvtier-{pid}-*")), f"arena of killed daemon {pid} left"
+    nvme = next(t for t in _stats(last.url)["store"]["tiers"] if t["kind"] == "nvme")
+    assert nvme["corrupt_chunks"] == 0, nvme
