@@ -378,41 +378,54 @@ class Mover:
                     self.index.release_movers_locked(victims)
             return 0
         offsets = _offsets(extents)
-        starts: list[int] = []
-        pos = 0
-        for v in victims:
-            starts.append(pos)
-            pos += v.value_bytes
-        staging = np.empty(pos, dtype=np.uint8)
-        view = memoryview(staging.data)
-        ok = [False] * len(victims)
+        # Each victim's bytes: (buffer, start) in `bufs`. A source tier of plain memory
+        # is written from in place (the victims are read-held, so their slots stay
+        # intact until the repoint below): a demotion from a full host tier into nvme
+        # then costs no staging copy. Other sources are read into one staging buffer.
+        bufs: list[memoryview] = []
+        where: list[tuple[int, int]] = [(-1, 0)] * len(victims)
+        staged: list[tuple[int, int, SlotRun]] = []
         for first, t, run in runs_of(victims):
-            lo = starts[first]
-            try:
-                self.tiers[t].read(run, view[lo : lo + run.nbytes])
-            except TierError as exc:
-                self._read_failed(t, victims[first : first + run.n], exc)
+            in_place = self.tiers[t].run_view(run)
+            if in_place is None:
+                staged.append((first, t, run))
                 continue
+            self.tiers[t].count_read(run.nbytes)
+            bufs.append(in_place)
             for j in range(run.n):
-                ok[first + j] = True
+                where[first + j] = (len(bufs) - 1, j * run.value_bytes)
+        if staged:
+            staging = memoryview(
+                np.empty(sum(run.nbytes for _, _, run in staged), dtype=np.uint8).data
+            )
+            bufs.append(staging)
+            pos = 0
+            for first, t, run in staged:
+                try:
+                    self.tiers[t].read(run, staging[pos : pos + run.nbytes])
+                except TierError as exc:
+                    self._read_failed(t, victims[first : first + run.n], exc)
+                else:
+                    for j in range(run.n):
+                        where[first + j] = (len(bufs) - 1, pos + j * run.value_bytes)
+                pos += run.nbytes
         new_slots = [Slot(v.key, target, offsets[i], v.value_bytes) for i, v in enumerate(victims)]
         written = [False] * len(victims)
-        # Write what was read into the new slots, run by run (staging is packed in
-        # victim order, and new offsets follow the same order).
-        good = [i for i in range(len(victims)) if ok[i]]
+        # Write the new slots run by run: one write where the run's bytes lie back to
+        # back in one buffer (new offsets follow the victims' order), else chunk by chunk.
+        good = [i for i in range(len(victims)) if where[i][0] >= 0]
         for first, _, run in runs_of([new_slots[i] for i in good]):
             idx = good[first : first + run.n]
-            contiguous = all(
-                starts[i] == starts[idx[0]] + j * run.value_bytes for j, i in enumerate(idx)
-            )
+            b, lo = where[idx[0]]
+            contiguous = all(where[i] == (b, lo + j * run.value_bytes) for j, i in enumerate(idx))
             try:
                 if contiguous:
-                    lo = starts[idx[0]]
-                    dst_tier.write(run, view[lo : lo + run.nbytes])
+                    dst_tier.write(run, bufs[b][lo : lo + run.nbytes])
                 else:
                     for j, i in enumerate(idx):
                         one = SlotRun(run.offset + j, (run.keys[j],), run.value_bytes)
-                        dst_tier.write(one, view[starts[i] : starts[i] + run.value_bytes])
+                        bi, at = where[i]
+                        dst_tier.write(one, bufs[bi][at : at + run.value_bytes])
             except TierError as exc:
                 self.tier_failed(target, "write", exc, run.n)
                 continue

@@ -268,6 +268,18 @@ class Tier(ABC):
         """
         return None
 
+    def run_view(self, run: SlotRun) -> memoryview | None:
+        """The run's values, packed, as one view of the medium in place, or None.
+
+        For the store's mover: a chunk moving out of a tier of plain memory is written
+        to its new tier straight from its slots, with no staging copy (a full host tier
+        demotes every put's worth of chunks into nvme this way). Offered where
+        :meth:`slot_view` is and the slots' bytes are the packed values (the values fill
+        their slots, or the run is one chunk). The caller holds the slots while it uses
+        the view and counts the read with :meth:`count_read`. Default: None.
+        """
+        return None
+
     def note_written(self, nbytes: int) -> None:
         """Count ``nbytes`` a caller wrote through :meth:`slot_view` as one write."""
         with self._stat_lock:

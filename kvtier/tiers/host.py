@@ -169,6 +169,19 @@ class HostTier(Tier):
         return self.arena.array[base : base + nbytes].data
 
     @override
+    def run_view(self, run: SlotRun) -> memoryview | None:
+        # slot_view decides whether this tier gives views at all (an emulated CXL tier
+        # does not); the run must lie in the arena and be laid out as packed values.
+        if self.slot_view(run.offset, run.value_bytes) is None:
+            return None
+        if run.n > 1 and run.value_bytes != self.slot_bytes:
+            return None
+        if run.offset + run.n > self.capacity_slots:
+            return None
+        base = run.offset * self.slot_bytes
+        return self.arena.array[base : base + run.nbytes].data
+
+    @override
     def _write(self, run: SlotRun, src: memoryview) -> None:
         copy_in(self.arena.array, self.slot_bytes, run, src, self.copy_threads)
 

@@ -179,6 +179,26 @@ def test_store_demotes_into_tier_intact(make_tier) -> None:
         assert store.stats().demoted_chunks >= 32
 
 
+def test_run_view_is_the_packed_values_in_place_or_absent(make_tier) -> None:
+    # The mover writes a moving run from this view: it must be exactly the run's packed
+    # values, and absent wherever the slots' bytes are not (padding between short values).
+    tier = make_tier()
+    (ext,) = tier.allocate(4) or []
+    full = SlotRun(ext.offset, tuple(key(i) for i in range(4)), SLOT)
+    data = rand(full.nbytes, 3)
+    tier.write(full, memoryview(data))
+    view = tier.run_view(full)
+    if tier.slot_view(0, SLOT) is None:
+        assert view is None
+        return
+    assert view is not None and bytes(view) == data.tobytes()
+    one = SlotRun(ext.offset, (key(0),), SLOT - 100)
+    tier.write(one, memoryview(data[: SLOT - 100]))
+    assert bytes(tier.run_view(one) or b"") == data[: SLOT - 100].tobytes()
+    padded = SlotRun(ext.offset, (key(0), key(1)), SLOT - 100)
+    assert tier.run_view(padded) is None  # slot padding lies between the values
+
+
 def test_slot_view_fills_in_place_or_is_absent(make_tier) -> None:
     # A tier either gives a view that a store can fill and read back through read(),
     # or none (the store then writes through write()): reserve() follows that.

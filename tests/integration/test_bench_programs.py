@@ -199,3 +199,30 @@ def test_the_same_host_rows_run_on_a_prefaulted_arena(tmp_path: Path) -> None:
     assert {r["op"] for r in rows} == {"same_host_get", "same_host_put"}
     assert all(r["batch"] == 2 and r["ratio_memcpy"] > 0 for r in rows)
     assert all(r["daemon_shared_resident_bytes_at_start"] >= r["arena_bytes"] for r in rows)
+
+
+def test_the_demote_benchmark_demotes_verifies_and_cleans_up(tmp_path: Path) -> None:
+    import json
+    import os
+
+    home = tmp_path / "home"
+    home.mkdir()
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env = {**os.environ, "HOME": str(home)}
+    args = ["--dir", str(scratch), "--chunks", "1", "--host-mib", "64", "--repeat", "2"]
+    out = subprocess.run(
+        [*KVTIER, "bench", "demote", *args, "--json", str(tmp_path / "d.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "d.json").read_text())["rows"]
+    assert row["verified"] is True
+    assert row["demoted_chunks"] >= 4  # each of the two warm-up and two timed puts moved one
+    assert row["ratio"] > 0 and row["cpu_ratio"] > 0
+    assert not any(scratch.iterdir())  # its temporary folder is gone
+    assert not (home / ".local").exists()  # never the user's data directory
