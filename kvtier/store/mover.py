@@ -23,7 +23,7 @@ from kvtier.keys import ChunkKey
 from kvtier.store.index import Slot, StoreIndex, runs_of
 from kvtier.store.policy import PlacementPolicy
 from kvtier.store.types import EventKind, GetResult, PutResult, StoreEvent
-from kvtier.tiers.base import SlotRun
+from kvtier.tiers.base import SlotRun, Tier
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,14 @@ _PERSIST_BATCH_BYTES = 64 << 20  # staging per batch when a clean close persists
 
 def _offsets(extents: Sequence[Extent]) -> list[int]:
     return [o for ext in extents for o in range(ext.offset, ext.offset + ext.units)]
+
+
+def _landing(tier: Tier, slots: list[Slot]) -> memoryview | None:
+    """New slots as one view to read into: they must be consecutive in a tier of memory."""
+    first = slots[0]
+    if any(sl.offset != first.offset + j for j, sl in enumerate(slots)):
+        return None
+    return tier.run_view(SlotRun(first.offset, tuple(sl.key for sl in slots), first.value_bytes))
 
 
 def _contiguous_groups(
@@ -378,39 +386,9 @@ class Mover:
                     self.index.release_movers_locked(victims)
             return 0
         offsets = _offsets(extents)
-        # Each victim's bytes: (buffer, start) in `bufs`. A source tier of plain memory
-        # is written from in place (the victims are read-held, so their slots stay
-        # intact until the repoint below): a demotion from a full host tier into nvme
-        # then costs no staging copy. Other sources are read into one staging buffer.
-        bufs: list[memoryview] = []
-        where: list[tuple[int, int]] = [(-1, 0)] * len(victims)
-        staged: list[tuple[int, int, SlotRun]] = []
-        for first, t, run in runs_of(victims):
-            in_place = self.tiers[t].run_view(run)
-            if in_place is None:
-                staged.append((first, t, run))
-                continue
-            self.tiers[t].count_read(run.nbytes)
-            bufs.append(in_place)
-            for j in range(run.n):
-                where[first + j] = (len(bufs) - 1, j * run.value_bytes)
-        if staged:
-            staging = memoryview(
-                np.empty(sum(run.nbytes for _, _, run in staged), dtype=np.uint8).data
-            )
-            bufs.append(staging)
-            pos = 0
-            for first, t, run in staged:
-                try:
-                    self.tiers[t].read(run, staging[pos : pos + run.nbytes])
-                except TierError as exc:
-                    self._read_failed(t, victims[first : first + run.n], exc)
-                else:
-                    for j in range(run.n):
-                        where[first + j] = (len(bufs) - 1, pos + j * run.value_bytes)
-                pos += run.nbytes
         new_slots = [Slot(v.key, target, offsets[i], v.value_bytes) for i, v in enumerate(victims)]
         written = [False] * len(victims)
+        bufs, where = self._gather(victims, new_slots, written)
         # Write the new slots run by run: one write where the run's bytes lie back to
         # back in one buffer (new offsets follow the victims' order), else chunk by chunk.
         good = [i for i in range(len(victims)) if where[i][0] >= 0]
@@ -440,6 +418,61 @@ class Mover:
                 else:
                     dst_tier.release(new_slots[i].offset, 1)
         return moved
+
+    def _gather(
+        self, victims: list[Slot], new_slots: list[Slot], written: list[bool]
+    ) -> tuple[list[memoryview], list[tuple[int, int]]]:
+        """Where each victim's bytes are to be written from: ``(buffer, start)`` in the
+        returned buffers; ``(-1, 0)`` for a victim whose read failed or that already lies
+        in its new slot (``written[i]`` set).
+
+        A source tier of plain memory is written from in place (the victims are
+        read-held, so their slots stay intact until the repoint): a full host tier
+        demotes into nvme with no staging copy. A source behind I/O reads straight into
+        the new slots where they are one run of a tier of plain memory (a promotion from
+        nvme into the host tier). Anything else is read into one staging buffer.
+        """
+        dst_tier = self.tiers[new_slots[0].tier]
+        bufs: list[memoryview] = []
+        where: list[tuple[int, int]] = [(-1, 0)] * len(victims)
+        staged: list[tuple[int, int, SlotRun]] = []
+        for first, t, run in runs_of(victims):
+            src = self.tiers[t]
+            in_place = src.run_view(run)
+            if in_place is not None:
+                src.count_read(run.nbytes)
+                bufs.append(in_place)
+                for j in range(run.n):
+                    where[first + j] = (len(bufs) - 1, j * run.value_bytes)
+                continue
+            landing = _landing(dst_tier, new_slots[first : first + run.n])
+            if landing is None:
+                staged.append((first, t, run))
+                continue
+            try:
+                src.read(run, landing)
+            except TierError as exc:
+                self._read_failed(t, victims[first : first + run.n], exc)
+                continue
+            dst_tier.note_written(run.nbytes)
+            for j in range(run.n):
+                written[first + j] = True
+        if staged:
+            staging = memoryview(
+                np.empty(sum(run.nbytes for _, _, run in staged), dtype=np.uint8).data
+            )
+            bufs.append(staging)
+            pos = 0
+            for first, t, run in staged:
+                try:
+                    self.tiers[t].read(run, staging[pos : pos + run.nbytes])
+                except TierError as exc:
+                    self._read_failed(t, victims[first : first + run.n], exc)
+                else:
+                    for j in range(run.n):
+                        where[first + j] = (len(bufs) - 1, pos + j * run.value_bytes)
+                pos += run.nbytes
+        return bufs, where
 
     # -- failures and events ---------------------------------------------------------------
 

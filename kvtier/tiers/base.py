@@ -269,14 +269,16 @@ class Tier(ABC):
         return None
 
     def run_view(self, run: SlotRun) -> memoryview | None:
-        """The run's values, packed, as one view of the medium in place, or None.
+        """The run's values, packed, as one writable view of the medium in place, or None.
 
-        For the store's mover: a chunk moving out of a tier of plain memory is written
-        to its new tier straight from its slots, with no staging copy (a full host tier
-        demotes every put's worth of chunks into nvme this way). Offered where
-        :meth:`slot_view` is and the slots' bytes are the packed values (the values fill
-        their slots, or the run is one chunk). The caller holds the slots while it uses
-        the view and counts the read with :meth:`count_read`. Default: None.
+        For the store's mover, which moves chunks with no staging copy: one leaving a
+        tier of plain memory is written to its new tier straight from its slots (a full
+        host tier demotes every put's worth of chunks into nvme this way), and one
+        arriving in such a tier is read into its new slots (a promotion from nvme).
+        Offered where :meth:`slot_view` is and the slots' bytes are the packed values
+        (the values fill their slots, or the run is one chunk). The caller holds the
+        slots while it uses the view, and counts what it did with :meth:`count_read` or
+        :meth:`note_written`. Default: None.
         """
         return None
 

@@ -201,7 +201,7 @@ def test_the_same_host_rows_run_on_a_prefaulted_arena(tmp_path: Path) -> None:
     assert all(r["daemon_shared_resident_bytes_at_start"] >= r["arena_bytes"] for r in rows)
 
 
-def test_the_demote_benchmark_demotes_verifies_and_cleans_up(tmp_path: Path) -> None:
+def test_the_moves_benchmark_moves_verifies_and_cleans_up(tmp_path: Path) -> None:
     import json
     import os
 
@@ -212,7 +212,7 @@ def test_the_demote_benchmark_demotes_verifies_and_cleans_up(tmp_path: Path) -> 
     env = {**os.environ, "HOME": str(home)}
     args = ["--dir", str(scratch), "--chunks", "1", "--host-mib", "64", "--repeat", "2"]
     out = subprocess.run(
-        [*KVTIER, "bench", "demote", *args, "--json", str(tmp_path / "d.json")],
+        [*KVTIER, "bench", "moves", *args, "--json", str(tmp_path / "m.json")],
         capture_output=True,
         text=True,
         timeout=300,
@@ -220,9 +220,13 @@ def test_the_demote_benchmark_demotes_verifies_and_cleans_up(tmp_path: Path) -> 
         env=env,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    (row,) = json.loads((tmp_path / "d.json").read_text())["rows"]
-    assert row["verified"] is True
-    assert row["demoted_chunks"] >= 4  # each of the two warm-up and two timed puts moved one
-    assert row["ratio"] > 0 and row["cpu_ratio"] > 0
+    rows = {r["op"]: r for r in json.loads((tmp_path / "m.json").read_text())["rows"]}
+    assert set(rows) == {"demote", "promote"}
+    assert all(
+        r["verified"] is True and r["ratio"] > 0 and r["cpu_ratio"] > 0 for r in rows.values()
+    )
+    # Each of the two warm-up and two timed rounds moved a chunk down (demote), or up (promote).
+    assert rows["demote"]["moved_chunks"]["demoted"] >= 4
+    assert rows["promote"]["moved_chunks"]["promoted"] >= 4
     assert not any(scratch.iterdir())  # its temporary folder is gone
     assert not (home / ".local").exists()  # never the user's data directory

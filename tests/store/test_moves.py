@@ -39,7 +39,7 @@ class Recording(HostTier):
 
 
 class NoViews(HostTier):
-    """A tier of memory that gives no views (as a tier behind I/O): moves stage its bytes."""
+    """A tier of memory that gives no views, as a tier behind I/O does."""
 
     def slot_view(self, offset: int, nbytes: int) -> memoryview | None:
         return None
@@ -90,9 +90,14 @@ def test_scattered_victims_move_one_by_one_from_their_slots_with_the_right_bytes
         assert got.chunks == 4 and np.array_equal(back, fresh)
 
 
-def test_a_tier_without_views_is_staged_and_moves_the_same_bytes() -> None:
+class RecordingNoViews(Recording):
+    def slot_view(self, offset: int, nbytes: int) -> memoryview | None:
+        return None
+
+
+def test_between_tiers_without_views_the_bytes_are_staged() -> None:
     top = NoViews(geometry("top", 8), Options(pin=Switch.OFF))
-    low = Recording("low", 32)
+    low = RecordingNoViews("low", 32)
     with TieredStore([top, low], io_threads=1) as store:
         a, b = [key(i) for i in range(8)], [key(100 + i) for i in range(8)]
         da, db = rand(8 * SLOT, 3), rand(8 * SLOT, 4)
@@ -102,3 +107,39 @@ def test_a_tier_without_views_is_staged_and_moves_the_same_bytes() -> None:
         assert low.sources and not any(within(top, at, n) for at, n in low.sources)
         out = np.zeros_like(da)
         assert store.get(a, out).result().chunks == 8 and np.array_equal(out, da)
+
+
+class BehindIO(NoViews):
+    """A lower tier without views (as nvme) that notes where every read lands."""
+
+    def __init__(self, name: str, slots: int) -> None:
+        super().__init__(geometry(name, slots), Options(pin=Switch.OFF))
+        self.landed: list[tuple[int, int]] = []  # (address, bytes)
+
+    def _read(self, run: SlotRun, dst: memoryview) -> None:
+        arr = np.frombuffer(dst, dtype=np.uint8)
+        self.landed.append((arr.ctypes.data, arr.nbytes))
+        super()._read(run, dst)
+
+
+def test_a_promotion_reads_straight_into_the_new_slots() -> None:
+    top = HostTier(geometry("top", 8), Options(pin=Switch.OFF))
+    low = BehindIO("low", 32)
+    with TieredStore([top, low], io_threads=1, promote_on_hit=True) as store:
+        a, b = [key(i) for i in range(8)], [key(100 + i) for i in range(8)]
+        da, db = rand(8 * SLOT, 5), rand(8 * SLOT, 6)
+        store.put(a, da).result()
+        store.put(b, db).result()  # a moves down (staged: the lower tier gives no views)
+        written = top.stats().bytes_written
+        out = np.zeros_like(da)
+        assert store.get(a, out).result().chunks == 8 and np.array_equal(out, da)
+        store.drain()  # the promotion runs after the get
+        promoted = [i for i, k in enumerate(a) if store.lookup([k]).tiers == ("top",)]
+        assert promoted  # some of a came back up
+        into_top = [(at, n) for at, n in low.landed if within(top, at, n)]
+        assert sum(n for _, n in into_top) == len(promoted) * SLOT  # no staging between
+        assert top.stats().bytes_written - written >= len(promoted) * SLOT  # counted
+        for k, i in ((a[i], i) for i in range(8)):
+            got = np.zeros(SLOT, np.uint8)
+            assert store.get([k], got).result().chunks == 1
+            assert np.array_equal(got, da[i * SLOT : (i + 1) * SLOT]), i
