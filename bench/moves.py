@@ -38,7 +38,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -184,21 +184,27 @@ def _rounds(
         "demote": ("copy", "put"),
         "promote": ("get", "copy", "put"),
     }
-    verified = {"demote": True, "promote": True}
-    for r in (first_timed, runs["demote"] - 1):  # one run in nvme by now, one in host
-        got = demoting.get(_keys(r, chunks), dst).result()
-        want = src.copy()
-        _stamp(want, r, chunk_bytes)
-        verified["demote"] &= got.chunks == chunks and bool(np.array_equal(dst, want))
-    for r in range(runs["promote"]):  # promoted ones (in host now) and any sent back down
-        got = promoting.get(_keys(r, chunks), dst).result()
-        want = src.copy()
-        _stamp(want, r, chunk_bytes)
-        verified["promote"] &= got.chunks == chunks and bool(np.array_equal(dst, want))
+
+    def verified(store: TieredStore, which: Iterable[int]) -> bool:
+        """Runs ``which`` read back from ``store`` equal what was put (stamped ``src``)."""
+        ok = True
+        for r in which:
+            got = store.get(_keys(r, chunks), dst).result()
+            want = src.copy()
+            _stamp(want, r, chunk_bytes)
+            ok &= got.chunks == chunks and bool(np.array_equal(dst, want))
+        return ok
+
+    checks = {
+        # one run in nvme by now, one in host
+        "demote": verified(demoting, (first_timed, runs["demote"] - 1)),
+        # the promoted ones (in host now) and any sent back down since
+        "promote": verified(promoting, range(runs["promote"])),
+    }
     nvme = demoting.tiers[1]
     rows = []
     for op, parts in floors.items():
-        store = demoting if op == "demote" else promoting
+        stats = (demoting if op == "demote" else promoting).stats()
         rows.append(
             {
                 "op": op,
@@ -207,8 +213,8 @@ def _rounds(
                 "host_capacity_bytes": host.capacity_slots * chunk_bytes,
                 "nvme_direct": isinstance(nvme, NVMeTier) and bool(nvme.engine.direct[0]),
                 "moved_chunks": {
-                    "demoted": store.stats().demoted_chunks,
-                    "promoted": store.stats().promoted_chunks,
+                    "demoted": stats.demoted_chunks,
+                    "promoted": stats.promoted_chunks,
                 },
                 "ms": wall[op],
                 "floor_ms": {p: wall[p] for p in parts},
@@ -217,7 +223,7 @@ def _rounds(
                 "floor_cpu_ms": {p: cpu_ms[p] for p in parts},
                 "cpu_ratio": sum(cpu_ms[p] for p in parts) / cpu_ms[op],
                 "raw": {p: dataclasses.asdict(s[p]) for p in (op, *parts)},
-                "verified": verified[op],
+                "verified": checks[op],
             }
         )
     return rows

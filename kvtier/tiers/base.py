@@ -235,7 +235,8 @@ class Tier(ABC):
         self.count_read(run.nbytes)
 
     def count_read(self, nbytes: int) -> None:
-        """Count one read of ``nbytes`` (also one made through :meth:`slot_view`)."""
+        """Count one read of ``nbytes`` (also one made through :meth:`slot_view` or
+        :meth:`run_view`)."""
         with self._stat_lock:
             self._bytes_read += nbytes
             self._read_ops += 1
@@ -283,7 +284,8 @@ class Tier(ABC):
         return None
 
     def note_written(self, nbytes: int) -> None:
-        """Count ``nbytes`` a caller wrote through :meth:`slot_view` as one write."""
+        """Count ``nbytes`` a caller wrote through :meth:`slot_view` or :meth:`run_view`
+        as one write."""
         with self._stat_lock:
             self._bytes_written += nbytes
             self._write_ops += 1

@@ -201,24 +201,18 @@ def test_the_same_host_rows_run_on_a_prefaulted_arena(tmp_path: Path) -> None:
     assert all(r["daemon_shared_resident_bytes_at_start"] >= r["arena_bytes"] for r in rows)
 
 
-def test_the_moves_benchmark_moves_verifies_and_cleans_up(tmp_path: Path) -> None:
+def test_the_moves_benchmark_moves_verifies_and_cleans_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import json
-    import os
 
     home = tmp_path / "home"
     home.mkdir()
+    monkeypatch.setenv("HOME", str(home))  # the default data dir is ~/.local/share/kvtier
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    env = {**os.environ, "HOME": str(home)}
     args = ["--dir", str(scratch), "--chunks", "1", "--host-mib", "64", "--repeat", "2"]
-    out = subprocess.run(
-        [*KVTIER, "bench", "moves", *args, "--json", str(tmp_path / "m.json")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env=env,
-    )
+    out = run(*KVTIER, "bench", "moves", *args, "--json", str(tmp_path / "m.json"))
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {r["op"]: r for r in json.loads((tmp_path / "m.json").read_text())["rows"]}
     assert set(rows) == {"demote", "promote"}
