@@ -11,6 +11,16 @@
  * costs the woken worker no GIL hand-over, which on a small VM costs more than the
  * copy of a 256 KiB value. A task becomes due `grace` seconds after put() (or at once,
  * after hurry()), so a caller that waits at once takes its task before a worker starts it.
+ *
+ * copy(dst, dst_off, src, src_off, n): memcpy between two contiguous buffers, without the
+ * GIL from 64 KiB up (fallback: numpy, in kvtier/tiers/host.py). A host-tier put or get
+ * through numpy builds three arrays and runs numpy's generic copy set-up; with the caches
+ * cold (a store call after large copies elsewhere) that set-up, not the copy, was most of
+ * a 4 KiB operation's time.
+ *
+ * keys16(keys) -> list | None: ``keys`` (a list or tuple) as a new list when every item is
+ * bytes of 16 (a chunk key), else None; the caller then finds the culprit and raises
+ * (kvtier/keys.py). Every store call checks its keys.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -333,8 +343,67 @@ static PyTypeObject WorkQueueType = {
     .tp_methods = wq_methods,
 };
 
+/* Copies of at least this many bytes run without the GIL: below it, handing the GIL over
+ * and back costs more than the copy keeps other threads waiting. */
+#define COPY_NOGIL_BYTES (64 * 1024)
+
+static PyObject *copy_bytes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "copy(dst, dst_off, src, src_off, n) takes 5 arguments");
+        return NULL;
+    }
+    Py_ssize_t dst_off = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t src_off = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t n = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer dst, src;
+    if (PyObject_GetBuffer(args[0], &dst, PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(args[2], &src, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    if (dst_off < 0 || src_off < 0 || n < 0 || dst_off > dst.len - n || src_off > src.len - n) {
+        PyErr_Format(PyExc_ValueError,
+                     "copy of %zd B: [%zd, +%zd) of %zd B into [%zd, +%zd) of %zd B is out of range",
+                     n, src_off, n, src.len, dst_off, n, dst.len);
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    char *d = (char *)dst.buf + dst_off;
+    const char *s = (const char *)src.buf + src_off;
+    if (n >= COPY_NOGIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        memmove(d, s, (size_t)n);
+        Py_END_ALLOW_THREADS
+    } else {
+        memmove(d, s, (size_t)n);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    Py_RETURN_NONE;
+}
+
+static PyObject *keys16(PyObject *self, PyObject *arg) {
+    if (!PyList_Check(arg) && !PyTuple_Check(arg)) Py_RETURN_NONE;
+    PyObject *out = PySequence_List(arg);
+    if (out == NULL) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PyList_GET_ITEM(out, i);
+        if (!PyBytes_Check(k) || PyBytes_GET_SIZE(k) != 16) {
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"pack_i32", pack_i32, METH_O, "Token ids as little-endian int32 bytes."},
+    {"copy", (PyCFunction)(void (*)(void))copy_bytes, METH_FASTCALL,
+     "copy(dst, dst_off, src, src_off, n): memmove between contiguous buffers."},
+    {"keys16", keys16, METH_O, "A list or tuple of 16-byte keys as a new list, else None."},
     {NULL, NULL, 0, NULL},
 };
 

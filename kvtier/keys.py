@@ -22,9 +22,11 @@ import xxhash
 from kvtier.errors import InputError
 
 try:
+    from kvtier._speedups import keys16 as _keys16_c
     from kvtier._speedups import pack_i32 as _pack_i32_c
 except ImportError:  # built without a C compiler: the array module is ~5x slower
     _pack_i32_c = None
+    _keys16_c = None
 
 
 def token_bytes(token_ids: Sequence[int] | npt.NDArray[Any]) -> bytes | memoryview:
@@ -129,13 +131,18 @@ def check_keys(keys: Iterable[object]) -> list[ChunkKey]:
     Raises:
         InputError: ``keys`` is not an iterable of keys, or one key is not 16 bytes.
     """
-    not_keys = f"keys must be a sequence of chunk keys, got {type(keys).__name__}"
+    if _keys16_c is not None:
+        fast = _keys16_c(keys)
+        if fast is not None:  # a list or tuple of well-formed keys, the usual case
+            return fast  # type: ignore[no-any-return]
     if keys is None or isinstance(keys, (str, bytes, bytearray, memoryview)):
-        raise InputError(not_keys)
+        raise InputError(f"keys must be a sequence of chunk keys, got {type(keys).__name__}")
     try:
-        out = list(keys)
+        out = list(keys)  # type: ignore[call-overload]  # any iterable; checked below
     except TypeError:
-        raise InputError(not_keys) from None
+        raise InputError(
+            f"keys must be a sequence of chunk keys, got {type(keys).__name__}"
+        ) from None
     for i, k in enumerate(out):
         if not isinstance(k, bytes) or len(k) != KEY_BYTES:
             got = f"{len(k)} bytes" if isinstance(k, bytes) else f"a {type(k).__name__}"

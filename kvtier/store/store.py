@@ -66,9 +66,9 @@ log = logging.getLogger(__name__)
 
 def _as_bytes_view(buf: Buffer, *, writable: bool) -> memoryview:
     if isinstance(buf, np.ndarray):
-        if not buf.flags.c_contiguous:
+        view = buf.data  # (not buf.flags: it builds a flags object on every call)
+        if not view.c_contiguous:
             raise InputError("buffer must be C-contiguous")
-        view = buf.data
         if view.format != "B" or view.ndim != 1:  # a flat byte array (the usual case) is one call
             view = memoryview(buf.reshape(-1).view(np.uint8).data)
     else:

@@ -17,6 +17,11 @@ from kvtier.errors import ConfigError
 from kvtier.tiers.base import SlotRun, Tier, TierGeometry, TierProfile, TierSection
 from kvtier.tiers.memory import SharedArena
 
+try:
+    from kvtier._speedups import copy as _copy_c
+except ImportError:  # built without a C compiler: numpy copies every value
+    _copy_c = None
+
 
 @dataclass(frozen=True, slots=True)
 class Options:
@@ -110,10 +115,24 @@ def _values(arena: npt.NDArray[Any], slot_bytes: int, run: SlotRun) -> npt.NDArr
     return window[:, : run.value_bytes]
 
 
+def _one_copy_at(slot_bytes: int, run: SlotRun, nbytes: int, threads: int) -> int | None:
+    """Byte offset of the run's values when one C memcpy moves them (they lie packed in
+    one range, and the copy is not split over threads), else None."""
+    if _copy_c is None or (threads > 1 and nbytes >= PARALLEL_COPY_BYTES):
+        return None
+    if run.value_bytes == slot_bytes or run.n == 1:
+        return run.offset * slot_bytes
+    return None
+
+
 def copy_in(
     arena: npt.NDArray[Any], slot_bytes: int, run: SlotRun, src: memoryview, threads: int = 1
 ) -> None:
     """Copy packed values into consecutive slots of a flat byte array."""
+    base = _one_copy_at(slot_bytes, run, src.nbytes, threads)
+    if base is not None and _copy_c is not None:
+        _copy_c(arena, base, src, 0, src.nbytes)  # one memcpy, no arrays built
+        return
     slots = _values(arena, slot_bytes, run)
     packed = np.frombuffer(src, dtype=np.uint8).reshape(slots.shape)
     if slots.ndim == 1:  # contiguous: worth splitting over threads
@@ -126,6 +145,10 @@ def copy_out(
     arena: npt.NDArray[Any], slot_bytes: int, run: SlotRun, dst: memoryview, threads: int = 1
 ) -> None:
     """Copy consecutive slots of a flat byte array out as packed values."""
+    base = _one_copy_at(slot_bytes, run, dst.nbytes, threads)
+    if base is not None and _copy_c is not None:
+        _copy_c(dst, 0, arena, base, dst.nbytes)
+        return
     slots = _values(arena, slot_bytes, run)
     packed = np.frombuffer(dst, dtype=np.uint8).reshape(slots.shape)
     if slots.ndim == 1:

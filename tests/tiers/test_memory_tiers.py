@@ -262,3 +262,52 @@ def test_tiers_asking_for_more_copy_threads_while_others_copy_lose_no_piece() ->
     for w in workers:
         w.join()
     assert errors == []
+
+
+# -- the host tier's copies: one C memcpy, or numpy without the C speedups --------------
+
+
+@pytest.mark.parametrize("c_copy", [True, False], ids=["c", "numpy"])
+@pytest.mark.parametrize("value_bytes", [4096, 4096 - 64])  # fills slots, or not
+@pytest.mark.parametrize("n", [1, 3])
+def test_host_tier_copies_only_the_runs_bytes(
+    monkeypatch: pytest.MonkeyPatch, c_copy: bool, value_bytes: int, n: int
+) -> None:
+    import kvtier.tiers.host as host_mod
+
+    if not c_copy:
+        monkeypatch.setattr(host_mod, "_copy_c", None)
+    elif host_mod._copy_c is None:
+        pytest.skip("kvtier._speedups is not built")
+    slot = 4096
+    tier = HostTier(TierGeometry("h", 8 * slot, slot, 8 * slot), Options(pin=Switch.OFF))
+    try:
+        tier.arena.array[:] = 0xEE  # neighbours must keep this
+        run = SlotRun(2, tuple(ChunkKey(bytes([i]) * 16) for i in range(n)), value_bytes)
+        data = np.random.default_rng(n).integers(0, 256, size=n * value_bytes, dtype=np.uint8)
+        tier.write(run, memoryview(data))
+        out = np.zeros_like(data)
+        tier.read(run, memoryview(out))
+        assert np.array_equal(out, data)
+        arena = tier.arena.array
+        assert (arena[: 2 * slot] == 0xEE).all() and (arena[(2 + n) * slot :] == 0xEE).all()
+        for j in range(n):  # a slot's padding past its value stays as it was
+            assert (arena[(2 + j) * slot + value_bytes : (3 + j) * slot] == 0xEE).all()
+    finally:
+        tier.close()
+
+
+def test_the_c_copy_refuses_ranges_outside_its_buffers() -> None:
+    speedups = pytest.importorskip("kvtier._speedups")
+    dst = np.zeros(8, dtype=np.uint8)
+    speedups.copy(dst, 6, b"abcd", 1, 2)
+    assert bytes(dst) == b"\0" * 6 + b"bc"
+    for args in [(dst, 7, b"abcd", 0, 2), (dst, 0, b"abcd", 3, 2), (dst, -1, b"ab", 0, 1)]:
+        with pytest.raises(ValueError, match="out of range"):
+            speedups.copy(*args)
+    with pytest.raises(BufferError):
+        speedups.copy(b"read-only", 0, b"x", 0, 1)
+    big = np.arange(1 << 20, dtype=np.uint32).view(np.uint8)  # over the GIL-free size
+    into = np.empty_like(big)
+    speedups.copy(into, 0, big, 0, big.nbytes)
+    assert np.array_equal(into, big)

@@ -135,3 +135,33 @@ def test_token_ids_out_of_range_are_input_errors() -> None:
         hasher().keys([2**31] * 256)
     with pytest.raises(InputError):
         hasher().keys(np.zeros((2, 256), dtype=np.int32))
+
+
+@pytest.mark.parametrize("c_check", [True, False], ids=["c", "python"])
+def test_check_keys_takes_keys_and_names_the_bad_one(
+    monkeypatch: pytest.MonkeyPatch, c_check: bool
+) -> None:
+    import kvtier.keys as keys_mod
+
+    if not c_check:
+        monkeypatch.setattr(keys_mod, "_keys16_c", None)
+    elif keys_mod._keys16_c is None:
+        pytest.skip("kvtier._speedups is not built")
+    a, b = b"a" * 16, b"b" * 16
+    listed = [a, b]
+    out = keys_mod.check_keys(listed)
+    assert out == [a, b] and out is not listed  # a copy: the caller may change its list
+    assert keys_mod.check_keys((a, b)) == [a, b]
+    assert keys_mod.check_keys(k for k in (a, b)) == [a, b]  # any iterable
+    assert keys_mod.check_keys([]) == []
+    for bad, says in [
+        ([a, b"short"], "chunk key 1 is 5 bytes"),
+        ((a, bytearray(16)), "chunk key 1 is a bytearray"),
+        ([memoryview(a)], "chunk key 0 is a memoryview"),
+        (b"x" * 16, "got bytes"),
+        ("k" * 16, "got str"),
+        (None, "got NoneType"),
+        (7, "got int"),
+    ]:
+        with pytest.raises(InputError, match=says):
+            keys_mod.check_keys(bad)
