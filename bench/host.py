@@ -26,7 +26,11 @@ through the I/O thread as above, and on an inline store (``io_threads=0``, the s
 code on the caller's thread), whose difference is the thread hand-off. It says where
 the time of the small rows goes.
 
-Usage: ``kvtier bench host [--json F] [--repeat N] [--no-flush] [--copy-threads N]``
+``--profile`` adds a third table: the inclusive time of the store's functions in cold
+single-chunk operations of 2 MiB (``bench/_host_profile.py``), which says where the
+small rows' time goes by function.
+
+Usage: ``kvtier bench host [--json F] [--repeat N] [--no-flush] [--copy-threads N] [--profile]``
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.bench._host_profile import cold_profile, print_profile
 from kvtier.bench.common import envelope, interleaved, write_json
 from kvtier.enums import Switch
 from kvtier.keys import ChunkKey
@@ -274,6 +279,11 @@ def main(argv: list[str]) -> int:
         default=0,
         help="the tier's copy_threads (default 0: the tier's own choice, one per 4 cores)",
     )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also time the store's functions in cold 2 MiB operations (where time goes)",
+    )
     args = ap.parse_args(argv)
 
     # Prefaulted like the baseline's buffer below: the comparison is of steady-state
@@ -298,6 +308,8 @@ def main(argv: list[str]) -> int:
             rows.extend(size_rows)
             ok &= size_ok
         fixed = fixed_costs(store, inline, args.fixed_rounds, flush)
+        # The profile evicts the caches even with --no-flush: it is about cold operations.
+        profile = cold_profile(flush or cache_flusher()[0]) if args.profile else []
     finally:
         store.close()
         inline.close()
@@ -330,6 +342,8 @@ def main(argv: list[str]) -> int:
         print(
             f"{f['op']:<7} {f['io_thread_us']:>10.1f} {f['inline_us']:>7.1f} {f['handoff_us']:>9.1f}{cold}"
         )
+    if profile:
+        print_profile(profile, CHUNK)
     print(
         f"bytes verified: {ok}; worst ratio {worst:.2f} (target >= 0.8: {'PASS' if worst >= 0.8 else 'MISS'})"
     )
@@ -344,6 +358,7 @@ def main(argv: list[str]) -> int:
             cache_flush_bytes=flush_bytes,
             copy_threads=tier.copy_threads,
             fixed_costs=fixed,
+            cold_profile=profile,
         ),
     )
     return 0 if ok else 1

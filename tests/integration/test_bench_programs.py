@@ -224,3 +224,36 @@ def test_the_moves_benchmark_moves_verifies_and_cleans_up(
     assert rows["promote"]["moved_chunks"]["promoted"] >= 4
     assert not any(scratch.iterdir())  # its temporary folder is gone
     assert not (home / ".local").exists()  # never the user's data directory
+
+
+def test_the_host_profile_times_each_operations_functions_and_unwraps_them() -> None:
+    from kvtier.bench import _host_profile as prof
+    from kvtier.store import TieredStore
+    from kvtier.tiers.base import Tier
+
+    before = {
+        (owner, name): (owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name))
+        for targets in prof.PROFILED.values()
+        for owner, name in targets
+    }
+    flushes = []
+    rows = prof.cold_profile(lambda: flushes.append(1), rounds=3, value_bytes=64 << 10)
+    by = {(r["op"], r["function"]): r for r in rows}
+    # Each operation's entry point once per operation, the copy inside it, and the
+    # whole no shorter than a part.
+    for op, top, inner in [
+        ("put", "TieredStore.put", "host.copy_in"),
+        ("get", "TieredStore.get", "host.copy_out"),
+        ("delete", "TieredStore.delete", "Tier.release"),
+    ]:
+        assert by[(op, top)]["calls_per_op"] == 1
+        assert by[(op, inner)]["calls_per_op"] == 1
+        assert by[(op, top)]["median_us"] >= by[(op, inner)]["median_us"] > 0
+    assert by[("put", "store.check_keys")]["calls_per_op"] == 2  # keys and prefix
+    assert len(flushes) == 3 * (3 + 5)  # before every operation, warm-up rounds included
+    after = {
+        (owner, name): (owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name))
+        for (owner, name) in before
+    }
+    assert after == before  # every wrapper taken off again
+    assert TieredStore.put.__name__ == "put" and "write" in Tier.__dict__
