@@ -300,7 +300,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         **floors,
         "target_ratio": TARGET_RATIO,
         "min_ratio": min(ratios) if ratios else None,
-        "median_ratio": statistics.median(ratios) if ratios else None,
+        "median_ratio": round(statistics.median(ratios), 3) if ratios else None,
         "points_meeting_target": sum(x >= TARGET_RATIO for x in ratios),
         "points": len(ratios),
     }

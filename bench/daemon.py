@@ -507,7 +507,7 @@ def main(argv: list[str]) -> int:
     summary = {
         "target_ratio": 0.8,
         "min_ratio": min(ratios) if ratios else None,
-        "median_ratio": statistics.median(ratios) if ratios else None,
+        "median_ratio": round(statistics.median(ratios), 3) if ratios else None,
         "points_meeting_target": sum(r >= 0.8 for r in ratios),
         "points": len(ratios),
     }
