@@ -352,10 +352,13 @@ static PyObject *copy_bytes(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_TypeError, "copy(dst, dst_off, src, src_off, n) takes 5 arguments");
         return NULL;
     }
-    Py_ssize_t dst_off = PyLong_AsSsize_t(args[1]);
-    Py_ssize_t src_off = PyLong_AsSsize_t(args[3]);
-    Py_ssize_t n = PyLong_AsSsize_t(args[4]);
-    if (PyErr_Occurred()) return NULL;
+    /* Any integer-like offset (numpy integers too), as numpy's slicing took. */
+    Py_ssize_t dst_off = PyNumber_AsSsize_t(args[1], PyExc_OverflowError);
+    if (dst_off == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t src_off = PyNumber_AsSsize_t(args[3], PyExc_OverflowError);
+    if (src_off == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t n = PyNumber_AsSsize_t(args[4], PyExc_OverflowError);
+    if (n == -1 && PyErr_Occurred()) return NULL;
     Py_buffer dst, src;
     if (PyObject_GetBuffer(args[0], &dst, PyBUF_WRITABLE) < 0) return NULL;
     if (PyObject_GetBuffer(args[2], &src, PyBUF_SIMPLE) < 0) {

@@ -117,8 +117,11 @@ def _values(arena: npt.NDArray[Any], slot_bytes: int, run: SlotRun) -> npt.NDArr
 
 def _one_copy_at(slot_bytes: int, run: SlotRun, nbytes: int, threads: int) -> int | None:
     """Byte offset of the run's values when one C memcpy moves them (they lie packed in
-    one range, and the copy is not split over threads), else None."""
-    if _copy_c is None or (threads > 1 and nbytes >= PARALLEL_COPY_BYTES):
+    one range, the buffer is the run's size, and the copy is not split over threads),
+    else None: numpy copies, and refuses a buffer of another size."""
+    if _copy_c is None or nbytes != run.nbytes:
+        return None
+    if threads > 1 and nbytes >= PARALLEL_COPY_BYTES:
         return None
     if run.value_bytes == slot_bytes or run.n == 1:
         return run.offset * slot_bytes

@@ -293,6 +293,13 @@ def test_host_tier_copies_only_the_runs_bytes(
         assert (arena[: 2 * slot] == 0xEE).all() and (arena[(2 + n) * slot :] == 0xEE).all()
         for j in range(n):  # a slot's padding past its value stays as it was
             assert (arena[(2 + j) * slot + value_bytes : (3 + j) * slot] == 0xEE).all()
+        # A buffer of another size than the run is refused, not copied in part or past it.
+        for wrong in (n * value_bytes + 1, n * value_bytes - 1):
+            with pytest.raises(ValueError):
+                host_mod.copy_in(arena, slot, run, memoryview(bytearray(wrong)))
+            with pytest.raises(ValueError):
+                host_mod.copy_out(arena, slot, run, memoryview(bytearray(wrong)))
+        assert (arena[(2 + n) * slot :] == 0xEE).all()
     finally:
         tier.close()
 
@@ -307,6 +314,10 @@ def test_the_c_copy_refuses_ranges_outside_its_buffers() -> None:
             speedups.copy(*args)
     with pytest.raises(BufferError):
         speedups.copy(b"read-only", 0, b"x", 0, 1)
+    speedups.copy(dst, np.int64(0), b"yz", np.uint32(0), np.int16(2))  # numpy offsets
+    assert bytes(dst[:2]) == b"yz"
+    with pytest.raises(TypeError):
+        speedups.copy(dst, 0.5, b"yz", 0, 1)
     big = np.arange(1 << 20, dtype=np.uint32).view(np.uint8)  # over the GIL-free size
     into = np.empty_like(big)
     speedups.copy(into, 0, big, 0, big.nbytes)
