@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 
 from tests.connectors.conftest import BLOCK, CHUNK, kv_transfer_config, prompt
-from tests.procs import engine_env
+from tests.procs import engine_env, kill_group
 from tests.service.conftest import Daemon, free_port, start_daemon
 
 pytest.importorskip("vllm")
@@ -60,8 +60,7 @@ class Server:
 
     def kill(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            kill_group(self.proc)  # and the engine's shared memory, which a crash leaves
 
     def stop(self) -> None:
         if self.proc.poll() is None:
