@@ -135,9 +135,9 @@ def check_keys(keys: Iterable[object]) -> list[ChunkKey]:
         fast = _keys16_c(keys)
         if fast is not None:  # a list or tuple of well-formed keys, the usual case
             return fast  # type: ignore[no-any-return]
-    if keys is None or isinstance(keys, (str, bytes, bytearray, memoryview)):
-        raise InputError(f"keys must be a sequence of chunk keys, got {type(keys).__name__}")
     try:
+        if keys is None or isinstance(keys, (str, bytes, bytearray, memoryview)):
+            raise TypeError  # iterable, but not of keys
         out = list(keys)  # type: ignore[call-overload]  # any iterable; checked below
     except TypeError:
         raise InputError(

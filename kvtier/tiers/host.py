@@ -116,10 +116,10 @@ def _values(arena: npt.NDArray[Any], slot_bytes: int, run: SlotRun) -> npt.NDArr
 
 
 def _one_copy_at(slot_bytes: int, run: SlotRun, nbytes: int, threads: int) -> int | None:
-    """Byte offset of the run's values when one C memcpy moves them (they lie packed in
+    """Byte offset of the run's values when one memcpy can move them (they lie packed in
     one range, the buffer is the run's size, and the copy is not split over threads),
     else None: numpy copies, and refuses a buffer of another size."""
-    if _copy_c is None or nbytes != run.nbytes:
+    if nbytes != run.nbytes:
         return None
     if threads > 1 and nbytes >= PARALLEL_COPY_BYTES:
         return None

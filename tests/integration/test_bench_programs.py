@@ -231,11 +231,14 @@ def test_the_host_profile_times_each_operations_functions_and_unwraps_them() -> 
     from kvtier.store import TieredStore
     from kvtier.tiers.base import Tier
 
-    before = {
-        (owner, name): (owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name))
-        for targets in prof.PROFILED.values()
-        for owner, name in targets
-    }
+    def attributes() -> dict[tuple[object, str], object]:
+        return {
+            (owner, name): owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            for targets in prof.PROFILED.values()
+            for owner, name in targets
+        }
+
+    before = attributes()
     flushes = []
     rows = prof.cold_profile(lambda: flushes.append(1), rounds=3, value_bytes=64 << 10)
     by = {(r["op"], r["function"]): r for r in rows}
@@ -251,9 +254,5 @@ def test_the_host_profile_times_each_operations_functions_and_unwraps_them() -> 
         assert by[(op, top)]["median_us"] >= by[(op, inner)]["median_us"] > 0
     assert by[("put", "store.check_keys")]["calls_per_op"] == 2  # keys and prefix
     assert len(flushes) == 3 * (3 + 5)  # before every operation, warm-up rounds included
-    after = {
-        (owner, name): (owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name))
-        for (owner, name) in before
-    }
-    assert after == before  # every wrapper taken off again
+    assert attributes() == before  # every wrapper taken off again
     assert TieredStore.put.__name__ == "put" and "write" in Tier.__dict__

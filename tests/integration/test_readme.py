@@ -48,7 +48,7 @@ from typing import Any
 
 import pytest
 
-from tests.procs import vllm_scratch
+from tests.procs import kill_group, vllm_scratch
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -208,8 +208,7 @@ def stop(proc: subprocess.Popen[bytes], sig: int) -> int:
     try:
         return proc.wait(timeout=120)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_group(proc)  # and the shared memory a killed engine leaves
         raise
 
 
