@@ -111,9 +111,15 @@ class StoreIndex:
     Args:
         tiers: the store's tiers, top first (the index releases slots to them).
         eviction: builds one eviction policy per tier.
+        emit: announces index changes (INDEXED / UNINDEXED events).
     """
 
-    def __init__(self, tiers: Sequence[Tier], eviction: EvictionFactory) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        eviction: EvictionFactory,
+        emit: Callable[[StoreEvent], None],
+    ) -> None:
         self.tiers = tuple(tiers)
         # Reentrant: a make-room pass drops victims while it holds the lock, and
         # dropping goes through the same helpers as a delete.
@@ -127,7 +133,7 @@ class StoreIndex:
         self._failures: dict[tuple[str, str], int] = {}
         # Index changes go out as INDEXED / UNINDEXED events, under the lock (so their
         # order is the index's), before the operation that caused them completes.
-        self.emit: Callable[[StoreEvent], None] = lambda event: None
+        self._emit = emit
         self._gone: list[Slot] = []  # removed by the operation in progress
         # Slots freed by the operation in progress, released together at its end (see
         # batched_frees_locked); None while no batch is open.
@@ -479,7 +485,7 @@ class StoreIndex:
             self._emit_keys(EventKind.UNINDEXED, t, tuple(sl.key for sl in slots), nbytes)
 
     def _emit_keys(self, kind: EventKind, t: int, keys: tuple[ChunkKey, ...], nbytes: int) -> None:
-        self.emit(StoreEvent(kind, self.tiers[t].name, len(keys), nbytes, keys=keys))
+        self._emit(StoreEvent(kind, self.tiers[t].name, len(keys), nbytes, keys=keys))
 
     def retire_locked(self, sl: Slot) -> None:
         sl.retired = True

@@ -20,6 +20,7 @@ import numpy as np
 from kvtier.alloc import Extent
 from kvtier.errors import CorruptChunkError, TierError
 from kvtier.keys import ChunkKey
+from kvtier.store.events import Events
 from kvtier.store.index import Slot, StoreIndex, runs_of
 from kvtier.store.policy import PlacementPolicy
 from kvtier.store.types import EventKind, GetResult, PutResult, StoreEvent
@@ -30,7 +31,6 @@ log = logging.getLogger(__name__)
 Values = memoryview | list[memoryview]
 """The values of one put: packed in one buffer, or one buffer per key."""
 
-Listener = Callable[[StoreEvent], None]
 Background = Callable[[Callable[[], object]], None]
 """Runs a call later on an I/O thread (background promotions); a closed store skips it."""
 
@@ -70,6 +70,7 @@ class Mover:
     Args:
         index: the store's books; the mover changes them under their lock.
         placement: admission, demotion and promotion decisions.
+        events: where the mover announces what it stored, moved and failed.
         promote_on_hit: move chunks hit in a lower tier back to the top, in the background.
         background: how promotions are scheduled.
     """
@@ -78,6 +79,7 @@ class Mover:
         self,
         index: StoreIndex,
         placement: PlacementPolicy,
+        events: Events,
         *,
         promote_on_hit: bool,
         background: Background,
@@ -87,7 +89,7 @@ class Mover:
         self.slot_bytes = min(t.slot_bytes for t in self.tiers)
         self.placement = placement
         self.promote_on_hit = promote_on_hit
-        self.listeners: list[Listener] = []
+        self.emit = events.emit
         self.shared = [i for i, t in enumerate(self.tiers) if t.shared]
         self._background = background
 
@@ -502,10 +504,3 @@ class Mover:
                 exc,
             )
         self.emit(StoreEvent(EventKind.TIER_ERROR, name, n, 0, f"{op}: {exc}"))
-
-    def emit(self, event: StoreEvent) -> None:
-        for listener in self.listeners:
-            try:
-                listener(event)
-            except Exception:  # a listener's bug must not break a store operation
-                log.exception("store listener failed on %s", event.kind.value)

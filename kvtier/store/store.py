@@ -44,10 +44,11 @@ import numpy.typing as npt
 
 from kvtier.errors import ClosedError, InputError, NotDurableError, TierError
 from kvtier.keys import ChunkKey, check_keys
+from kvtier.store.events import Events, Listener
 from kvtier.store.executor import INLINE, Executor, Finished, InlineExecutor, StealingExecutor
 from kvtier.store.handles import HeldValue, Reservation
 from kvtier.store.index import Slot, StoreIndex
-from kvtier.store.mover import Listener, Mover, Values
+from kvtier.store.mover import Mover, Values
 from kvtier.store.policy import EvictionFactory, LRUEviction, PlacementPolicy, WriteThrough
 from kvtier.store.types import (
     EventKind,
@@ -124,14 +125,15 @@ class TieredStore:
         if not tiers:
             raise InputError("a store needs at least one tier")
         self.tiers: tuple[Tier, ...] = tuple(tiers)
-        self._index = StoreIndex(self.tiers, eviction)
+        self._events = Events()
+        self._index = StoreIndex(self.tiers, eviction, self._events.emit)
         self._mover = Mover(
             self._index,
             placement or WriteThrough(),
+            self._events,
             promote_on_hit=promote_on_hit,
             background=self._background,
         )
-        self._index.emit = self._mover.emit
         self.slot_bytes = self._mover.slot_bytes
         self.placement = self._mover.placement
         self.placement.bind(self._index)
@@ -410,7 +412,7 @@ class TieredStore:
         with self._index.lock:
             self._index.counts.deleted_chunks += removed
         if removed:
-            self._mover.emit(StoreEvent(EventKind.DELETED, "", removed, 0))
+            self._events.emit(StoreEvent(EventKind.DELETED, "", removed, 0))
         for i, tier in enumerate(self.tiers):
             # Also when nothing was removed now: a retried delete learns whether the
             # first one's records have reached the disk since.
@@ -448,7 +450,7 @@ class TieredStore:
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener`` with every :class:`StoreEvent` (from I/O threads; keep it fast)."""
-        self._mover.listeners.append(listener)
+        self._events.add(listener)
 
     def stats(self) -> StoreStats:
         """A snapshot of the store's counters and each tier's stats. Thread-safe."""
