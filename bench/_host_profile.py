@@ -54,12 +54,11 @@ PROFILED: dict[str, tuple[tuple[Any, str], ...]] = {
     "get": (
         (TieredStore, "get"),
         (TieredStore, "_hold_for"),
-        (StoreIndex, "hold_run"),
+        (StoreIndex, "prepare_load"),
         (Mover, "get"),
         (Tier, "read"),
         (host_mod, "copy_out"),
-        (StoreIndex, "unread"),
-        (Mover, "count_hits"),
+        (StoreIndex, "complete_load"),
     ),
     "delete": (
         (TieredStore, "delete"),

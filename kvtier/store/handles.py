@@ -37,9 +37,7 @@ class HeldValue:
         self._released = True
         s, sl = self._store, self.slot
         try:
-            s._index.unread([sl])  # first: the slot is freeable whatever follows
-            s._mover.count_hits([sl], sl.value_bytes)
-            s.tiers[sl.tier].count_read(sl.value_bytes)
+            s._mover.complete_hold(sl)
         finally:
             s._done(None)
 

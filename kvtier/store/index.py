@@ -111,6 +111,7 @@ class StoreIndex:
     Args:
         tiers: the store's tiers, top first (the index releases slots to them).
         eviction: builds one eviction policy per tier.
+        placement: the store's placement; the index runs its hooks under its lock.
         emit: announces index changes (INDEXED / UNINDEXED events).
     """
 
@@ -118,9 +119,11 @@ class StoreIndex:
         self,
         tiers: Sequence[Tier],
         eviction: EvictionFactory,
+        placement: PlacementPolicy,
         emit: Callable[[StoreEvent], None],
     ) -> None:
         self.tiers = tuple(tiers)
+        self._placement = placement
         # Reentrant: a make-room pass drops victims while it holds the lock, and
         # dropping goes through the same helpers as a delete.
         self.lock = threading.RLock()
@@ -152,36 +155,6 @@ class StoreIndex:
                     break
                 out.append(e.slot)
         return out
-
-    def hold_run(self, keys: Sequence[ChunkKey]) -> list[Slot]:
-        """Read-hold the slots of the leading present ``keys``, and mark them used.
-
-        Every slot returned must be given back through :meth:`unread`.
-        """
-        with self.lock:
-            slots: list[Slot] = []
-            for key in keys:
-                e = self._entries.get(key)
-                if e is None:
-                    break
-                e.slot.readers += 1
-                slots.append(e.slot)
-            for sl in reversed(slots):  # head most recent, as in touch()
-                self._evict[sl.tier].touch(sl.key)
-            self.counts.gets += 1
-        return slots
-
-    def unhold(self, slots: Sequence[Slot]) -> None:
-        """Give back the holds of a :meth:`hold_run` whose get did not happen (uncounted)."""
-        self.unread(slots)
-        with self.lock:
-            self.counts.gets -= 1
-
-    def unread(self, slots: Sequence[Slot]) -> None:
-        """Give back the read holds of ``slots``."""
-        with self.lock, self._batch:
-            for sl in slots:
-                self.unread_locked(sl)
 
     def pin(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
         """Pin the present ``keys`` once each; returns those pinned."""
@@ -231,6 +204,73 @@ class StoreIndex:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    # -- loads (gets) -----------------------------------------------------------------------
+
+    def prepare_load(self, keys: Sequence[ChunkKey]) -> list[Slot]:
+        """Read-hold the slots of the leading present ``keys``, mark them used, and count
+        a get.
+
+        Every slot returned must be given back: by :meth:`complete_load` once read, by
+        :meth:`cancel_load` when the get does not happen, or by :meth:`unread`.
+        """
+        with self.lock:
+            slots: list[Slot] = []
+            for key in keys:
+                e = self._entries.get(key)
+                if e is None:
+                    break
+                e.slot.readers += 1
+                slots.append(e.slot)
+            for sl in reversed(slots):  # head most recent, as in touch()
+                self._evict[sl.tier].touch(sl.key)
+            self.counts.gets += 1
+        return slots
+
+    def cancel_load(self, slots: Sequence[Slot]) -> None:
+        """Give back the holds of a :meth:`prepare_load` whose get did not happen (uncounted)."""
+        self.unread(slots)
+        with self.lock:
+            self.counts.gets -= 1
+
+    def unread(self, slots: Sequence[Slot]) -> None:
+        """Give back the read holds of ``slots``, counting nothing."""
+        with self.lock, self._batch:
+            for sl in slots:
+                self.unread_locked(sl)
+
+    def complete_load(
+        self, slots: Sequence[Slot], served: int, nbytes: int, *, promote: bool
+    ) -> list[list[ChunkKey]]:
+        """End a load: give back the holds of ``slots``, and count their first ``served``
+        (``nbytes`` of values) as hits, in the counters and the placement.
+
+        Returns the served keys the placement wants promoted to the top tier, one list
+        per lower tier they were served from (none unless ``promote``).
+        """
+        with self.lock:
+            with self._batch:
+                for sl in slots:
+                    self.unread_locked(sl)
+            by_tier = self._note_hits(slots[:served], nbytes)
+            for t, ks in by_tier.items():
+                self._placement.on_hit(t, ks)
+            return [
+                ks
+                for t, ks in by_tier.items()
+                if promote and t > 0 and self._placement.should_promote(t, ks)
+            ]
+
+    def note_lookup(self, keys: Sequence[ChunkKey], hits: int) -> None:
+        """Count a lookup of ``keys`` whose first ``hits`` were present; the rest are
+        misses the placement hears of."""
+        with self.lock:
+            counts = self.counts
+            counts.lookups += 1
+            counts.lookup_hit_chunks += hits
+            counts.lookup_miss_chunks += len(keys) - hits
+            if hits < len(keys):
+                self._placement.on_miss(keys[hits:])
 
     # -- puts ----------------------------------------------------------------------------
 
@@ -323,8 +363,8 @@ class StoreIndex:
                 self._emit_keys(EventKind.INDEXED, t, tuple(new), nbytes)
         return out
 
-    def note_hits(self, served: Sequence[Slot], nbytes: int) -> dict[int, list[ChunkKey]]:
-        """Count a get's served chunks; returns their keys by tier. Lock held by the caller."""
+    def _note_hits(self, served: Sequence[Slot], nbytes: int) -> dict[int, list[ChunkKey]]:
+        """Count a get's served chunks; returns their keys by tier. Lock held."""
         by_tier: dict[int, list[ChunkKey]] = {}
         self.counts.get_chunks += len(served)
         self.counts.get_bytes += nbytes

@@ -207,23 +207,21 @@ class Mover:
                 pos += run.nbytes
                 tiers.extend([self.tiers[t].name] * run.n)
                 lengths.extend([run.value_bytes] * run.n)
-        finally:
+        except BaseException:
             self.index.unread(slots)
-        self.count_hits(slots[:done], pos)
+            raise
+        self._promote_later(self.index.complete_load(slots, done, pos, promote=self.promote_on_hit))
         return GetResult(done, pos, tuple(lengths), tuple(tiers))
 
-    def count_hits(self, served: list[Slot], nbytes: int) -> None:
-        """A get's served chunks into the counters and the placement (hits, promotions)."""
-        with self.index.lock:  # every placement hook runs under the store's lock
-            by_tier = self.index.note_hits(served, nbytes)
-            for t, ks in by_tier.items():
-                self.placement.on_hit(t, ks)
-            promote = [
-                ks
-                for t, ks in by_tier.items()
-                if self.promote_on_hit and t > 0 and self.placement.should_promote(t, ks)
-            ]
-        for ks in promote:
+    def complete_hold(self, slot: Slot) -> None:
+        """End a hold of one slot whose value the caller read in place: count it as a
+        get served from its tier (hits, placement, promotion, tier reads)."""
+        promote = self.index.complete_load([slot], 1, slot.value_bytes, promote=self.promote_on_hit)
+        self._promote_later(promote)
+        self.tiers[slot.tier].count_read(slot.value_bytes)
+
+    def _promote_later(self, batches: list[list[ChunkKey]]) -> None:
+        for ks in batches:
             self._background(functools.partial(self._promote, ks))
 
     def _promote(self, keys: list[ChunkKey]) -> None:

@@ -125,17 +125,17 @@ class TieredStore:
         if not tiers:
             raise InputError("a store needs at least one tier")
         self.tiers: tuple[Tier, ...] = tuple(tiers)
+        self.placement = placement or WriteThrough()
         self._events = Events()
-        self._index = StoreIndex(self.tiers, eviction, self._events.emit)
+        self._index = StoreIndex(self.tiers, eviction, self.placement, self._events.emit)
         self._mover = Mover(
             self._index,
-            placement or WriteThrough(),
+            self.placement,
             self._events,
             promote_on_hit=promote_on_hit,
             background=self._background,
         )
         self.slot_bytes = self._mover.slot_bytes
-        self.placement = self._mover.placement
         self.placement.bind(self._index)
         self.promote_on_hit = promote_on_hit
         self._pool: Executor = (
@@ -264,13 +264,7 @@ class TieredStore:
         if len(slots) < len(keys) and self._mover.shared:
             slots += self._mover.adopt(keys[len(slots) :])
         hits = len(slots)
-        with self._index.lock:
-            counts = self._index.counts
-            counts.lookups += 1
-            counts.lookup_hit_chunks += hits
-            counts.lookup_miss_chunks += len(keys) - hits
-            if hits < len(keys):
-                self.placement.on_miss(keys[hits:])
+        self._index.note_lookup(keys, hits)
         return LookupResult(
             hits,
             tuple(self.tiers[sl.tier].name for sl in slots),
@@ -327,7 +321,7 @@ class TieredStore:
         keys, view, slots, need = self._hold_for(keys, dst)
         tail = len(slots) < len(keys) and self._mover.shared
         if tail or need > max_bytes or not all(self._memory[sl.tier] for sl in slots):
-            self._index.unhold(slots)
+            self._index.cancel_load(slots)
             return None
         # As an inline _submit, less the future (a Condition each) the caller never sees.
         with self._idle_lock:
@@ -353,7 +347,7 @@ class TieredStore:
         """
         self._check_open()
         (key,) = check_keys([key])
-        slots = self._index.hold_run([key])
+        slots = self._index.prepare_load([key])
         sl = slots[0] if slots else None
         view = (
             self.tiers[sl.tier].slot_view(sl.offset, sl.value_bytes)
@@ -361,7 +355,7 @@ class TieredStore:
             else None
         )
         if sl is None or view is None:
-            self._index.unhold(slots)
+            self._index.cancel_load(slots)
             return None
         with self._idle_lock:  # counted like a queued operation: drain() and close() wait for it
             self._inflight += 1
@@ -374,7 +368,7 @@ class TieredStore:
         self._check_open()
         checked = check_keys(keys)
         view = _as_bytes_view(dst, writable=True)
-        slots = self._index.hold_run(checked)
+        slots = self._index.prepare_load(checked)
         need = sum(sl.value_bytes for sl in slots)
         if need > view.nbytes:
             self._index.unread(slots)
