@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.keys import ChunkKey
 from kvtier.store.index import Slot
-from kvtier.store.types import EventKind, PutResult, StoreEvent
+from kvtier.store.types import PutResult
 
 if TYPE_CHECKING:
     from kvtier.store.store import TieredStore
@@ -64,15 +64,8 @@ class Reservation:
             return PutResult(0, 0, 0, 0)
         self._open = False
         s = self._store
-        nbytes = self.view.nbytes
-        tier = s.tiers[self.tier]
         try:
-            tier.note_written(nbytes)
-            with s._index.lock:
-                s._index.counts.puts += 1
-            s._index.add_written(self.tier, [(self.key, self._offset)], nbytes)
-            s._index.finish_put([(0, self.key)], 1, 0)
-            s._mover.emit(StoreEvent(EventKind.STORED, tier.name, 1, nbytes))
+            s._mover.complete_reserved(self.tier, self.key, self._offset, self.view.nbytes)
         finally:
             s._done(None)
         return PutResult(1, 0, 0, 0)
@@ -84,7 +77,6 @@ class Reservation:
         self._open = False
         s = self._store
         try:
-            s.tiers[self.tier].release(self._offset, 1)
-            s._index.unclaim(self.key)
+            s._mover.cancel_reserved(self.tier, self.key, self._offset)
         finally:
             s._done(None)

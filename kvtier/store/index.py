@@ -272,12 +272,19 @@ class StoreIndex:
             if hits < len(keys):
                 self._placement.on_miss(keys[hits:])
 
-    # -- puts ----------------------------------------------------------------------------
+    # -- stores (puts) ----------------------------------------------------------------------
 
-    def claim_new(self, keys: Sequence[ChunkKey]) -> list[tuple[int, ChunkKey]]:
-        """Claim the ``keys`` that are neither indexed nor being put, as (position, key).
+    def admit(self, t: int, keys: Sequence[ChunkKey], value_bytes: int) -> bool:
+        """Whether the placement admits these new chunks into tier ``t``."""
+        with self.lock:
+            return self._placement.admit(t, keys, value_bytes)
 
-        The claimed keys stay pending until :meth:`finish_put`.
+    def prepare_store(self, keys: Sequence[ChunkKey]) -> list[tuple[int, ChunkKey]]:
+        """Claim the ``keys`` that are neither indexed nor being put, as (position, key),
+        and count a put.
+
+        The claimed keys stay pending (a concurrent put counts them present) until
+        :meth:`complete_store`; what was written meanwhile is indexed by :meth:`add_stored`.
         """
         with self.lock:
             fresh: list[tuple[int, ChunkKey]] = []
@@ -292,39 +299,61 @@ class StoreIndex:
             self.counts.put_present += len(keys) - len(fresh)
         return fresh
 
-    def claim_one(self, key: ChunkKey) -> bool:
+    def add_stored(self, t: int, written: Sequence[tuple[ChunkKey, int]], value_bytes: int) -> None:
+        """Index chunks of a put just written into tier ``t``, as (key, slot number) in
+        sequence order."""
+        with self.lock:
+            self._add_locked(t, written, value_bytes)
+
+    def complete_store(
+        self, claimed: Sequence[tuple[int, ChunkKey]], stored: int, failed: int
+    ) -> None:
+        """End a put of the ``claimed`` keys: ``stored`` were written and indexed,
+        ``failed`` failed in a tier; the rest were rejected."""
+        with self.lock:
+            self._pending.difference_update(k for _, k in claimed)
+            self.counts.put_chunks += stored
+            self.counts.put_rejected += len(claimed) - stored - failed
+
+    def prepare_store_one(self, key: ChunkKey) -> bool:
         """Claim one key for a put in place (the store's ``reserve``); False when it is
-        indexed or being put. Counts nothing: the put is counted when it ends."""
+        indexed or being put. Counts nothing: the put is counted when it completes."""
         with self.lock:
             if key in self._entries or key in self._pending:
                 return False
             self._pending.add(key)
             return True
 
-    def unclaim(self, key: ChunkKey) -> None:
-        """Give back a :meth:`claim_one` that led to no put."""
+    def cancel_store_one(self, key: ChunkKey) -> None:
+        """Give back a :meth:`prepare_store_one` that led to no put."""
         with self.lock:
             self._pending.discard(key)
 
-    def finish_put(self, fresh: Sequence[tuple[int, ChunkKey]], stored: int, failed: int) -> None:
+    def complete_store_one(self, t: int, key: ChunkKey, slot_no: int, value_bytes: int) -> None:
+        """Index one chunk of a :meth:`prepare_store_one`, filled in place in slot
+        ``slot_no`` of tier ``t``, and count its put."""
         with self.lock:
-            self._pending.difference_update(k for _, k in fresh)
-            self.counts.put_chunks += stored
-            self.counts.put_rejected += len(fresh) - stored - failed
+            self.counts.puts += 1
+            self._add_locked(t, [(key, slot_no)], value_bytes)
+            self._pending.discard(key)
+            self.counts.put_chunks += 1
 
-    def add_written(
+    def _add_locked(
         self, t: int, written: Sequence[tuple[ChunkKey, int]], value_bytes: int
     ) -> None:
-        """Index chunks just written into tier ``t``, as (key, slot number) in sequence order."""
+        # Newest-last in eviction order, tail first: a sequence loses its tail before
+        # its head, so what stays is still a usable prefix.
+        for key, slot_no in reversed(written):
+            self._entries[key] = Entry(Slot(key, t, slot_no, value_bytes))
+            self._evict[t].insert(key, value_bytes)
+        if written:
+            keys = tuple(k for k, _ in written)
+            self._emit_keys(EventKind.INDEXED, t, keys, len(keys) * value_bytes)
+
+    def note_deleted(self, n: int) -> None:
+        """Count ``n`` chunks a delete removed (from the index or a shared medium)."""
         with self.lock:
-            # Newest-last in eviction order, tail first: a sequence loses its tail
-            # before its head, so what stays is still a usable prefix.
-            for key, slot_no in reversed(written):
-                self._entries[key] = Entry(Slot(key, t, slot_no, value_bytes))
-                self._evict[t].insert(key, value_bytes)
-            if written:
-                keys = tuple(k for k, _ in written)
-                self._emit_keys(EventKind.INDEXED, t, keys, len(keys) * value_bytes)
+            self.counts.deleted_chunks += n
 
     def add_adopted(
         self,

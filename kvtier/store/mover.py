@@ -108,7 +108,7 @@ class Mover:
             self.index.unpin(held)
 
     def _put_pinned(self, keys: list[ChunkKey], view: Values, value_bytes: int) -> PutResult:
-        fresh = self.index.claim_new(keys)
+        fresh = self.index.prepare_store(keys)
         stored = failed = 0
         try:
             todo = fresh
@@ -116,9 +116,7 @@ class Mover:
                 if not todo:
                     break
                 todo_keys = [k for _, k in todo]
-                with self.index.lock:
-                    admitted = self.placement.admit(t, todo_keys, value_bytes)
-                if not admitted:
+                if not self.index.admit(t, todo_keys, value_bytes):
                     continue
                 # A run longer than the whole tier keeps its head here, the rest goes on down.
                 take = min(len(todo), self.tiers[t].capacity_slots)
@@ -140,7 +138,7 @@ class Mover:
                 todo = todo[take:]
             rejected = len(todo)
         finally:
-            self.index.finish_put(fresh, stored, failed)
+            self.index.complete_store(fresh, stored, failed)
         return PutResult(stored, len(keys) - len(fresh), rejected, failed)
 
     def _write_new(
@@ -180,10 +178,23 @@ class Mover:
                 continue
             written.extend(done)
             stored += n
-        self.index.add_written(t, written, value_bytes)
+        self.index.add_stored(t, written, value_bytes)
         if stored:
             self.emit(StoreEvent(EventKind.STORED, tier.name, stored, stored * value_bytes))
         return stored, failed
+
+    def complete_reserved(self, t: int, key: ChunkKey, slot_no: int, value_bytes: int) -> None:
+        """Index one chunk the caller wrote in place into slot ``slot_no`` of tier ``t``
+        (after :meth:`StoreIndex.prepare_store_one`), and count and announce its put."""
+        tier = self.tiers[t]
+        tier.note_written(value_bytes)
+        self.index.complete_store_one(t, key, slot_no, value_bytes)
+        self.emit(StoreEvent(EventKind.STORED, tier.name, 1, value_bytes))
+
+    def cancel_reserved(self, t: int, key: ChunkKey, slot_no: int) -> None:
+        """Give back a reserved slot that was not filled; its key stays absent."""
+        self.tiers[t].release(slot_no, 1)
+        self.index.cancel_store_one(key)
 
     # -- get -------------------------------------------------------------------------------
 

@@ -221,7 +221,7 @@ class TieredStore:
         (key,) = check_keys([key])
         if not 0 < value_bytes <= self.slot_bytes:
             raise InputError(f"chunk of {value_bytes} B; the store takes 1..{self.slot_bytes} B")
-        if not self._index.claim_one(key):
+        if not self._index.prepare_store_one(key):
             return None
         with self._idle_lock:  # counted like a queued operation: drain() and close() wait for it
             self._inflight += 1
@@ -230,9 +230,7 @@ class TieredStore:
                 # slot_view(0, ...) only asks whether the tier gives views at all.
                 if tier.free_slots < 1 or tier.slot_view(0, value_bytes) is None:
                     break  # put() makes room, or writes through the tier
-                with self._index.lock:
-                    admitted = self.placement.admit(t, [key], value_bytes)
-                if not admitted:
+                if not self._index.admit(t, [key], value_bytes):
                     continue
                 extents = tier.allocate(1)
                 if extents is None:
@@ -244,10 +242,10 @@ class TieredStore:
                     break
                 return Reservation(self, key, t, offset, view)
         except BaseException:
-            self._index.unclaim(key)
+            self._index.cancel_store_one(key)
             self._done(None)
             raise
-        self._index.unclaim(key)
+        self._index.cancel_store_one(key)
         self._done(None)
         return None
 
@@ -403,8 +401,7 @@ class TieredStore:
                 if elsewhere:
                     found_elsewhere = max(found_elsewhere, self.tiers[t].discard(elsewhere))
             removed += found_elsewhere
-        with self._index.lock:
-            self._index.counts.deleted_chunks += removed
+        self._index.note_deleted(removed)
         if removed:
             self._events.emit(StoreEvent(EventKind.DELETED, "", removed, 0))
         for i, tier in enumerate(self.tiers):
