@@ -15,6 +15,7 @@ reader bytes that a new put has overwritten.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -80,6 +81,31 @@ class Counters:
     corrupt_chunks: int = 0
     tier_errors: int = 0
     adopted_chunks: int = 0
+
+
+class Room(enum.Enum):
+    """How a round of :meth:`StoreIndex.prepare_eviction` ended without a move to make."""
+
+    FREE = "free"
+    """The tier has the room: nothing to evict."""
+    SHORT = "short"
+    """Its evictable chunks cannot make the room: nothing changed."""
+    DROPPED = "dropped"
+    """Victims were taken out of the index (the placement sent them nowhere)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Eviction:
+    """Victims claimed by :meth:`StoreIndex.prepare_eviction` for a move down.
+
+    Attributes:
+        victims: their slots, read-held and marked moving until the move ends
+            (:meth:`StoreIndex.complete_move` or :meth:`StoreIndex.drop_moves`).
+        target: the tier the placement sends them to.
+    """
+
+    victims: tuple[Slot, ...]
+    target: int
 
 
 def runs_of(slots: Sequence[Slot]) -> list[tuple[int, int, SlotRun]]:
@@ -195,12 +221,6 @@ class StoreIndex:
         """Every indexed key (a snapshot; no bytes read). Thread-safe."""
         with self.lock:
             return list(self._entries)
-
-    def hottest_locked(self, t: int) -> list[ChunkKey]:
-        """Keys of tier ``t``, most recently used first (by its eviction order)."""
-        keys = list(self._evict[t].candidates())
-        keys.reverse()
-        return keys
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -402,7 +422,7 @@ class StoreIndex:
             by_tier.setdefault(sl.tier, []).append(sl.key)
         return by_tier
 
-    # -- movers (lock held) ------------------------------------------------------------------
+    # -- room (the placement's TierView) --------------------------------------------------
 
     def evictable_slots(self, t: int) -> int:
         """Free slots of tier ``t`` plus those its evictable chunks hold."""
@@ -445,37 +465,111 @@ class StoreIndex:
                 break
         return out
 
-    def pick_victims_locked(self, t: int, deficit: int) -> list[Slot]:
-        """Claim up to ``deficit`` of tier ``t``'s coldest free chunks for a mover."""
-        return self.claim_movers_locked(self._coldest_locked(t, deficit), lambda e: True)
+    def hottest(self, t: int) -> list[ChunkKey]:
+        """Keys of tier ``t``, most recently used first (by its eviction order)."""
+        with self.lock:
+            keys = list(self._evict[t].candidates())
+        keys.reverse()
+        return keys
 
-    def claim_movers_locked(
-        self, keys: Sequence[ChunkKey], ok: Callable[[Entry], bool]
-    ) -> list[Slot]:
-        """Mark chunks as moving (so no other mover takes them) and read-hold their slots."""
+    # -- moves (demotions, promotions, drops) ------------------------------------------------
+
+    def prepare_eviction(self, t: int, n: int) -> Room | Eviction:
+        """One round of making room for ``n`` slots in tier ``t``; atomic.
+
+        Returns :attr:`Room.FREE` when the tier has them free already, and
+        :attr:`Room.SHORT`, having changed nothing, when its evictable chunks cannot
+        free them. Otherwise exactly the missing number of its coldest chunks are
+        claimed as victims, and the placement names where they go: nowhere (they are
+        dropped now, :attr:`Room.DROPPED`), or a lower tier (an :class:`Eviction` whose
+        move the caller ends with :meth:`complete_move` or :meth:`drop_moves`).
+        """
+        with self.lock:
+            deficit = n - self.tiers[t].free_slots
+            if deficit <= 0:
+                return Room.FREE
+            victims = self._claim_locked(self._coldest_locked(t, deficit), range(t, t + 1))
+            if len(victims) < deficit:
+                self._unclaim_locked(victims)
+                return Room.SHORT
+            keys = [v.key for v in victims]
+            target = self._placement.demote_target(t, len(self.tiers), keys)
+            if target is None:
+                self._drop_locked(t, victims)
+                return Room.DROPPED
+            return Eviction(tuple(victims), target)
+
+    def prepare_move(self, keys: Sequence[ChunkKey], from_tiers: range) -> list[Slot]:
+        """Claim the indexed ``keys`` that lie in ``from_tiers`` for a move: marked as
+        moving (no other mover takes them) and read-held. Returns their slots; the
+        caller ends the move with :meth:`complete_move`, :meth:`cancel_move` or
+        :meth:`drop_moves`."""
+        with self.lock:
+            return self._claim_locked(keys, from_tiers)
+
+    def cancel_move(self, slots: Sequence[Slot]) -> None:
+        """Undo a claim for a move: the chunks stay where they are."""
+        with self.lock, self._batch:
+            self._unclaim_locked(slots)
+
+    def drop_moves(self, t: int, victims: Sequence[Slot]) -> int:
+        """Take chunks claimed for a move out of the index instead (tier ``t`` must lose
+        them and no tier below takes them); returns how many went."""
+        with self.lock:
+            return self._drop_locked(t, victims)
+
+    def complete_move(
+        self,
+        victims: Sequence[Slot],
+        landed: Sequence[Slot],
+        written: Sequence[bool],
+        *,
+        drop: bool,
+    ) -> int:
+        """End a move: point each victim's chunk at its ``landed`` slot where it was
+        ``written``; returns how many moved (counted as promoted when they went up, as
+        demoted when they went down).
+
+        A chunk whose copy failed is dropped when ``drop`` (a victim that must leave its
+        tier) and stays where it was otherwise. A landed slot the index does not take
+        (the copy failed, or the chunk was deleted meanwhile) goes back to its tier. The
+        old copies are released once their last reader is done.
+        """
+        moved = 0
+        with self.lock, self._batch:
+            for old, new, ok in zip(victims, landed, written, strict=True):
+                if self._repoint_locked(old, new if ok else None, drop=drop):
+                    moved += 1
+                    if new.tier < old.tier:
+                        self.counts.promoted_chunks += 1
+                    else:
+                        self.counts.demoted_chunks += 1
+                else:
+                    self.tiers[new.tier].release(new.offset, 1)
+        return moved
+
+    def _claim_locked(self, keys: Sequence[ChunkKey], from_tiers: range) -> list[Slot]:
         out: list[Slot] = []
         for key in keys:
             e = self._entries.get(key)
-            if e is None or e.moving or not ok(e):
+            if e is None or e.moving or e.slot.tier not in from_tiers:
                 continue
             e.moving = True
             e.slot.readers += 1
             out.append(e.slot)
         return out
 
-    def release_movers_locked(self, slots: Sequence[Slot]) -> None:
-        """Undo :meth:`claim_movers_locked`: the chunks stay where they are."""
+    def _unclaim_locked(self, slots: Sequence[Slot]) -> None:
         for sl in slots:
             e = self._entries.get(sl.key)
             if e is not None and e.slot is sl:
                 e.moving = False
             self.unread_locked(sl)
 
-    def drop_movers_locked(self, victims: Sequence[Slot]) -> int:
-        """Release claimed victims and take them out of the index; returns how many went."""
+    def _drop_locked(self, t: int, victims: Sequence[Slot]) -> int:
         dropped = 0
         with self._batch:
-            self.release_movers_locked(victims)
+            self._unclaim_locked(victims)
             for sl in victims:
                 e = self._entries.get(sl.key)
                 if e is not None and e.slot is sl:
@@ -483,15 +577,12 @@ class StoreIndex:
                     dropped += 1
         self.counts.dropped_chunks += dropped
         self.emit_gone_locked()
+        self._emit(StoreEvent(EventKind.DROPPED, self.tiers[t].name, dropped, 0))
         return dropped
 
-    def repoint_locked(self, old: Slot, new: Slot | None, *, drop: bool) -> bool:
-        """End one claimed move: point the chunk at ``new`` if it was written.
-
-        ``new`` is None when the copy failed: the chunk is then dropped when ``drop``
-        (a victim that must leave its tier), and stays where it was otherwise. Returns
-        whether the chunk moved. The caller releases ``new``'s slot when it did not.
-        """
+    def _repoint_locked(self, old: Slot, new: Slot | None, *, drop: bool) -> bool:
+        """End one claimed move: point the chunk at ``new`` if it was written (else
+        drop it when ``drop``). Returns whether the chunk moved."""
         e = self._entries.get(old.key)
         current = e is not None and e.slot is old
         moved = False

@@ -2,8 +2,10 @@
 
 The :class:`Mover` writes new chunks (``put``), reads hits (``get``), makes room by
 demoting or dropping victims, promotes hits, and adopts chunks that other processes
-left in shared tiers. It runs on the store's I/O threads and holds the index lock only
-to read or change the books (:class:`~kvtier.store.index.StoreIndex`), never across I/O.
+left in shared tiers. It runs on the store's I/O threads. It changes the books
+(:class:`~kvtier.store.index.StoreIndex`) only through the index's two-phase verbs, as
+vLLM's offloading worker leaves the books to its manager: each transfer is prepared
+(keys claimed, slots held), done with no lock held, then completed or cancelled.
 
 Failures of a tier (I/O errors, corrupt bytes) never escape as exceptions: they become
 misses, a counter, an event and a rate-limited log line.
@@ -21,8 +23,7 @@ from kvtier.alloc import Extent
 from kvtier.errors import CorruptChunkError, TierError
 from kvtier.keys import ChunkKey
 from kvtier.store.events import Events
-from kvtier.store.index import Slot, StoreIndex, runs_of
-from kvtier.store.policy import PlacementPolicy
+from kvtier.store.index import Room, Slot, StoreIndex, runs_of
 from kvtier.store.types import EventKind, GetResult, PutResult, StoreEvent
 from kvtier.tiers.base import SlotRun, Tier
 
@@ -68,8 +69,7 @@ class Mover:
     """Moves chunk bytes for one store.
 
     Args:
-        index: the store's books; the mover changes them under their lock.
-        placement: admission, demotion and promotion decisions.
+        index: the store's books; the mover changes them through its verbs.
         events: where the mover announces what it stored, moved and failed.
         promote_on_hit: move chunks hit in a lower tier back to the top, in the background.
         background: how promotions are scheduled.
@@ -78,7 +78,6 @@ class Mover:
     def __init__(
         self,
         index: StoreIndex,
-        placement: PlacementPolicy,
         events: Events,
         *,
         promote_on_hit: bool,
@@ -87,7 +86,6 @@ class Mover:
         self.index = index
         self.tiers = index.tiers
         self.slot_bytes = min(t.slot_bytes for t in self.tiers)
-        self.placement = placement
         self.promote_on_hit = promote_on_hit
         self.emit = events.emit
         self.shared = [i for i, t in enumerate(self.tiers) if t.shared]
@@ -239,17 +237,13 @@ class Mover:
         # Never more than half the top tier at once: a promotion must not flush the
         # whole working set of the top tier for one long sequence.
         limit = max(1, self.tiers[0].capacity_slots // 2)
-        with self.index.lock:
-            movable = self.index.claim_movers_locked(keys[:limit], lambda e: e.slot.tier > 0)
+        movable = self.index.prepare_move(keys[:limit], range(1, len(self.tiers)))
         if not movable:
             return
         if not self.make_room(0, len(movable)):
-            with self.index.lock:
-                self.index.release_movers_locked(movable)
+            self.index.cancel_move(movable)
             return
         moved = self._move(movable, 0, drop_on_failure=False)
-        with self.index.lock:
-            self.index.counts.promoted_chunks += moved
         if moved:
             self.emit(StoreEvent(EventKind.PROMOTED, self.tiers[0].name, moved, 0))
 
@@ -305,33 +299,21 @@ class Mover:
         if n > tier.capacity_slots:
             return False
         for _ in range(_MAKE_ROOM_ROUNDS):
-            with self.index.lock:
-                deficit = n - tier.free_slots
-                if deficit <= 0:
-                    return True
-                victims = self.index.pick_victims_locked(t, deficit)
-                if len(victims) < deficit:
-                    # Not enough evictable chunks: change nothing (atomic eviction).
-                    self.index.release_movers_locked(victims)
-                    return False
-                target = self.placement.demote_target(t, len(self.tiers), [v.key for v in victims])
-                if target is None:
-                    self._drop_locked(t, victims)
-                    continue
-            if self.make_room(target, len(victims)):
-                moved = self._move(victims, target, drop_on_failure=True)
-                with self.index.lock:
-                    self.index.counts.demoted_chunks += moved
+            ev = self.index.prepare_eviction(t, n)
+            if ev is Room.FREE:
+                return True
+            if ev is Room.SHORT:
+                return False
+            if ev is Room.DROPPED:
+                continue
+            victims = list(ev.victims)
+            if self.make_room(ev.target, len(victims)):
+                moved = self._move(victims, ev.target, drop_on_failure=True)
                 if moved:
-                    self.emit(StoreEvent(EventKind.DEMOTED, self.tiers[target].name, moved, 0))
+                    self.emit(StoreEvent(EventKind.DEMOTED, self.tiers[ev.target].name, moved, 0))
             else:
-                with self.index.lock:
-                    self._drop_locked(t, victims)
+                self.index.drop_moves(t, victims)
         return tier.free_slots >= n
-
-    def _drop_locked(self, t: int, victims: list[Slot]) -> None:
-        dropped = self.index.drop_movers_locked(victims)
-        self.emit(StoreEvent(EventKind.DROPPED, self.tiers[t].name, dropped, 0))
 
     def persist(self, t: int, target: int, limit: int) -> int:
         """Move tier ``t``'s chunks down into persistent tier ``target`` (a clean close).
@@ -345,8 +327,7 @@ class Mover:
         if limit <= 0:
             return 0
         batch = max(1, _PERSIST_BATCH_BYTES // self.tiers[t].slot_bytes)
-        with self.index.lock:
-            keys = self.index.hottest_locked(t)[:limit]
+        keys = self.index.hottest(t)[:limit]
         keys.reverse()
         if keys:
             # Said before the move, which runs at disk speed: an operator whose service
@@ -360,26 +341,20 @@ class Mover:
             )
         moved = 0
         for lo in range(0, len(keys), batch):
-            with self.index.lock:
-                claimed = self.index.claim_movers_locked(
-                    keys[lo : lo + batch], lambda e: e.slot.tier == t
-                )
+            claimed = self.index.prepare_move(keys[lo : lo + batch], range(t, t + 1))
             if not claimed:
                 continue
             if not self.make_room(target, len(claimed)):
-                with self.index.lock:
-                    self.index.release_movers_locked(claimed)
+                self.index.cancel_move(claimed)
                 break
-            n = self._move(claimed, target, drop_on_failure=False)
-            with self.index.lock:
-                self.index.counts.demoted_chunks += n
-            moved += n
+            moved += self._move(claimed, target, drop_on_failure=False)
         if moved:
             self.emit(StoreEvent(EventKind.DEMOTED, self.tiers[target].name, moved, 0))
         return moved
 
     def _move(self, victims: list[Slot], target: int, *, drop_on_failure: bool) -> int:
-        """Copy claimed chunks into ``target`` (room already made) and repoint the index.
+        """Copy chunks claimed for a move into ``target`` (room already made), then
+        complete the move in the index.
 
         Returns how many moved. A chunk that fails to move is dropped when it is a
         victim that must leave its tier (``drop_on_failure``), and stays where it was
@@ -390,11 +365,10 @@ class Mover:
         dst_tier = self.tiers[target]
         extents = dst_tier.allocate(len(victims))
         if extents is None:
-            with self.index.lock:
-                if drop_on_failure:
-                    self._drop_locked(victims[0].tier, victims)
-                else:
-                    self.index.release_movers_locked(victims)
+            if drop_on_failure:
+                self.index.drop_moves(victims[0].tier, victims)
+            else:
+                self.index.cancel_move(victims)
             return 0
         offsets = _offsets(extents)
         new_slots = [Slot(v.key, target, offsets[i], v.value_bytes) for i, v in enumerate(victims)]
@@ -420,15 +394,7 @@ class Mover:
                 continue
             for i in idx:
                 written[i] = True
-        moved = 0
-        with self.index.lock, self.index.batched_frees_locked():
-            for i, old in enumerate(victims):
-                new = new_slots[i] if written[i] else None
-                if self.index.repoint_locked(old, new, drop=drop_on_failure):
-                    moved += 1
-                else:
-                    dst_tier.release(new_slots[i].offset, 1)
-        return moved
+        return self.index.complete_move(victims, new_slots, written, drop=drop_on_failure)
 
     def _gather(
         self, victims: list[Slot], new_slots: list[Slot], written: list[bool]

@@ -130,7 +130,6 @@ class TieredStore:
         self._index = StoreIndex(self.tiers, eviction, self.placement, self._events.emit)
         self._mover = Mover(
             self._index,
-            self.placement,
             self._events,
             promote_on_hit=promote_on_hit,
             background=self._background,
