@@ -63,7 +63,7 @@ PROFILED: dict[str, tuple[tuple[Any, str], ...]] = {
     "delete": (
         (TieredStore, "delete"),
         (StoreIndex, "remove"),
-        (StoreIndex, "release_runs_locked"),
+        (StoreIndex, "_release_runs"),
         (Tier, "release"),
         (Tier, "commit_forgets"),
     ),

@@ -1,9 +1,19 @@
 """The store's books: which chunk lives in which slot, who holds it, and what was counted.
 
-Everything here is guarded by one lock, :attr:`StoreIndex.lock`. Methods whose names end
-in ``_locked`` expect the caller to hold it; the others take it themselves. Nothing here
-moves bytes: the only calls into a tier are allocator releases and the tier's ``forget``
-hook when a slot is freed (the :class:`~kvtier.store.mover.Mover` does every transfer).
+Everything here is guarded by one lock, which the index takes itself: every public
+method takes it, and the private ``_locked`` helpers expect it held. The placement's
+hooks run under it too (the contract of :mod:`kvtier.store.policy`), called from here.
+Nothing here moves bytes: the only calls into a tier are allocator releases and the
+tier's ``forget`` hook when a slot is freed (the :class:`~kvtier.store.mover.Mover`
+does every transfer).
+
+The mover and the store change the books through two-phase verbs, as vLLM's offloading
+manager does (``prepare_store``, then ``complete_store(success)``): a load, a store or a
+move is *prepared* (keys claimed, slots read-held, nothing visible yet), its bytes move
+with no lock held, and it is then *completed* (indexed, repointed, counted) or
+*cancelled* (nothing changed). Eviction is atomic: a round of
+:meth:`StoreIndex.prepare_eviction` claims exactly the victims that make the room, or
+changes nothing.
 
 A *slot* is one stored copy of a chunk; an *entry* is the index record of a chunk and
 points at its current slot. A slot whose chunk moved or was deleted is *retired*: its
@@ -150,10 +160,12 @@ class StoreIndex:
     ) -> None:
         self.tiers = tuple(tiers)
         self._placement = placement
-        # Reentrant: a make-room pass drops victims while it holds the lock, and
-        # dropping goes through the same helpers as a delete.
+        # Reentrant: the placement's hooks run under it and may read the index back
+        # through its TierView methods, which take it too. Named without an underscore
+        # only as the lock those hooks are promised to run under: nothing outside the
+        # index takes it.
         self.lock = threading.RLock()
-        self.counts = Counters()
+        self._counts = Counters()
         self._entries: dict[ChunkKey, Entry] = {}
         # Keys a put has claimed but not yet indexed: a second put skips them.
         self._pending: set[ChunkKey] = set()
@@ -165,11 +177,11 @@ class StoreIndex:
         self._emit = emit
         self._gone: list[Slot] = []  # removed by the operation in progress
         # Slots freed by the operation in progress, released together at its end (see
-        # batched_frees_locked); None while no batch is open.
+        # _FreeBatch); None while no batch is open.
         self._frees: list[Slot] | None = None
         self._batch = _FreeBatch(self)
 
-    # -- queries and holds (take the lock) ------------------------------------------------
+    # -- queries, pins and deletes ---------------------------------------------------------
 
     def present_run(self, keys: Sequence[ChunkKey]) -> list[Slot]:
         """Slots of the leading ``keys`` the index holds (no hold taken)."""
@@ -181,6 +193,14 @@ class StoreIndex:
                     break
                 out.append(e.slot)
         return out
+
+    def keys(self) -> list[ChunkKey]:
+        """Every indexed key (a snapshot; no bytes read). Thread-safe."""
+        with self.lock:
+            return list(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     def pin(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
         """Pin the present ``keys`` once each; returns those pinned."""
@@ -212,20 +232,17 @@ class StoreIndex:
             for key in keys:
                 e = self._entries.get(key)
                 if e is not None:
-                    self.remove_locked(key, e)
+                    self._remove_locked(key, e)
                     gone.append(key)
-            self.emit_gone_locked()
+            self._emit_gone_locked()
         return gone
 
-    def keys(self) -> list[ChunkKey]:
-        """Every indexed key (a snapshot; no bytes read). Thread-safe."""
+    def note_deleted(self, n: int) -> None:
+        """Count ``n`` chunks a delete removed (from the index or a shared medium)."""
         with self.lock:
-            return list(self._entries)
+            self._counts.deleted_chunks += n
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    # -- loads (gets) -----------------------------------------------------------------------
+    # -- loads (gets) ----------------------------------------------------------------------
 
     def prepare_load(self, keys: Sequence[ChunkKey]) -> list[Slot]:
         """Read-hold the slots of the leading present ``keys``, mark them used, and count
@@ -244,20 +261,20 @@ class StoreIndex:
                 slots.append(e.slot)
             for sl in reversed(slots):  # head most recent, as in touch()
                 self._evict[sl.tier].touch(sl.key)
-            self.counts.gets += 1
+            self._counts.gets += 1
         return slots
 
     def cancel_load(self, slots: Sequence[Slot]) -> None:
         """Give back the holds of a :meth:`prepare_load` whose get did not happen (uncounted)."""
         self.unread(slots)
         with self.lock:
-            self.counts.gets -= 1
+            self._counts.gets -= 1
 
     def unread(self, slots: Sequence[Slot]) -> None:
         """Give back the read holds of ``slots``, counting nothing."""
         with self.lock, self._batch:
             for sl in slots:
-                self.unread_locked(sl)
+                self._unread_locked(sl)
 
     def complete_load(
         self, slots: Sequence[Slot], served: int, nbytes: int, *, promote: bool
@@ -271,7 +288,7 @@ class StoreIndex:
         with self.lock:
             with self._batch:
                 for sl in slots:
-                    self.unread_locked(sl)
+                    self._unread_locked(sl)
             by_tier = self._note_hits(slots[:served], nbytes)
             for t, ks in by_tier.items():
                 self._placement.on_hit(t, ks)
@@ -281,18 +298,39 @@ class StoreIndex:
                 if promote and t > 0 and self._placement.should_promote(t, ks)
             ]
 
+    def _note_hits(self, served: Sequence[Slot], nbytes: int) -> dict[int, list[ChunkKey]]:
+        """Count a get's served chunks; returns their keys by tier. Lock held."""
+        by_tier: dict[int, list[ChunkKey]] = {}
+        self._counts.get_chunks += len(served)
+        self._counts.get_bytes += nbytes
+        for sl in served:
+            self._tier_hits[sl.tier] += 1
+            by_tier.setdefault(sl.tier, []).append(sl.key)
+        return by_tier
+
+    def forget_failed(self, slots: Sequence[Slot], *, corrupt: bool) -> None:
+        """Chunks whose read failed are never served again: they become misses."""
+        with self.lock, self._batch:
+            for sl in slots:
+                e = self._entries.get(sl.key)
+                if e is not None and e.slot is sl:
+                    self._remove_locked(sl.key, e)
+            if corrupt:
+                self._counts.corrupt_chunks += len(slots)
+            self._emit_gone_locked()
+
     def note_lookup(self, keys: Sequence[ChunkKey], hits: int) -> None:
         """Count a lookup of ``keys`` whose first ``hits`` were present; the rest are
         misses the placement hears of."""
         with self.lock:
-            counts = self.counts
+            counts = self._counts
             counts.lookups += 1
             counts.lookup_hit_chunks += hits
             counts.lookup_miss_chunks += len(keys) - hits
             if hits < len(keys):
                 self._placement.on_miss(keys[hits:])
 
-    # -- stores (puts) ----------------------------------------------------------------------
+    # -- stores (puts) ---------------------------------------------------------------------
 
     def admit(self, t: int, keys: Sequence[ChunkKey], value_bytes: int) -> bool:
         """Whether the placement admits these new chunks into tier ``t``."""
@@ -315,8 +353,8 @@ class StoreIndex:
                     fresh.append((i, k))
                     seen.add(k)
             self._pending.update(k for _, k in fresh)
-            self.counts.puts += 1
-            self.counts.put_present += len(keys) - len(fresh)
+            self._counts.puts += 1
+            self._counts.put_present += len(keys) - len(fresh)
         return fresh
 
     def add_stored(self, t: int, written: Sequence[tuple[ChunkKey, int]], value_bytes: int) -> None:
@@ -332,8 +370,8 @@ class StoreIndex:
         ``failed`` failed in a tier; the rest were rejected."""
         with self.lock:
             self._pending.difference_update(k for _, k in claimed)
-            self.counts.put_chunks += stored
-            self.counts.put_rejected += len(claimed) - stored - failed
+            self._counts.put_chunks += stored
+            self._counts.put_rejected += len(claimed) - stored - failed
 
     def prepare_store_one(self, key: ChunkKey) -> bool:
         """Claim one key for a put in place (the store's ``reserve``); False when it is
@@ -353,10 +391,10 @@ class StoreIndex:
         """Index one chunk of a :meth:`prepare_store_one`, filled in place in slot
         ``slot_no`` of tier ``t``, and count its put."""
         with self.lock:
-            self.counts.puts += 1
+            self._counts.puts += 1
             self._add_locked(t, [(key, slot_no)], value_bytes)
             self._pending.discard(key)
-            self.counts.put_chunks += 1
+            self._counts.put_chunks += 1
 
     def _add_locked(
         self, t: int, written: Sequence[tuple[ChunkKey, int]], value_bytes: int
@@ -369,11 +407,6 @@ class StoreIndex:
         if written:
             keys = tuple(k for k, _ in written)
             self._emit_keys(EventKind.INDEXED, t, keys, len(keys) * value_bytes)
-
-    def note_deleted(self, n: int) -> None:
-        """Count ``n`` chunks a delete removed (from the index or a shared medium)."""
-        with self.lock:
-            self.counts.deleted_chunks += n
 
     def add_adopted(
         self,
@@ -406,33 +439,13 @@ class StoreIndex:
                 out.append(e.slot)
             for key in reversed(new):  # head most recent, as in add_written
                 self._evict[t].insert(key, self._entries[key].slot.value_bytes)
-            self.counts.adopted_chunks += len(new)
+            self._counts.adopted_chunks += len(new)
             if new:
                 nbytes = sum(self._entries[k].slot.value_bytes for k in new)
                 self._emit_keys(EventKind.INDEXED, t, tuple(new), nbytes)
         return out
 
-    def _note_hits(self, served: Sequence[Slot], nbytes: int) -> dict[int, list[ChunkKey]]:
-        """Count a get's served chunks; returns their keys by tier. Lock held."""
-        by_tier: dict[int, list[ChunkKey]] = {}
-        self.counts.get_chunks += len(served)
-        self.counts.get_bytes += nbytes
-        for sl in served:
-            self._tier_hits[sl.tier] += 1
-            by_tier.setdefault(sl.tier, []).append(sl.key)
-        return by_tier
-
-    # -- room (the placement's TierView) --------------------------------------------------
-
-    def evictable_slots(self, t: int) -> int:
-        """Free slots of tier ``t`` plus those its evictable chunks hold."""
-        with self.lock:
-            evictable = sum(
-                1
-                for e in self._entries.values()
-                if e.slot.tier == t and not (e.pins or e.moving or e.slot.readers)
-            )
-            return self.tiers[t].free_slots + evictable
+    # -- room (the placement's TierView) ---------------------------------------------------
 
     def free_slots(self, tier: int) -> int:
         """Free slots of ``tier`` (:class:`~kvtier.store.policy.TierView`)."""
@@ -451,6 +464,16 @@ class StoreIndex:
         with self.lock:
             entries = self._entries
             return sum(e.slot.value_bytes for k in keys if (e := entries.get(k)) is not None)
+
+    def evictable_slots(self, t: int) -> int:
+        """Free slots of tier ``t`` plus those its evictable chunks hold."""
+        with self.lock:
+            evictable = sum(
+                1
+                for e in self._entries.values()
+                if e.slot.tier == t and not (e.pins or e.moving or e.slot.readers)
+            )
+            return self.tiers[t].free_slots + evictable
 
     def _coldest_locked(self, t: int, n: int) -> list[ChunkKey]:
         out: list[ChunkKey] = []
@@ -472,7 +495,7 @@ class StoreIndex:
         keys.reverse()
         return keys
 
-    # -- moves (demotions, promotions, drops) ------------------------------------------------
+    # -- moves (demotions, promotions, drops) ----------------------------------------------
 
     def prepare_eviction(self, t: int, n: int) -> Room | Eviction:
         """One round of making room for ``n`` slots in tier ``t``; atomic.
@@ -541,9 +564,9 @@ class StoreIndex:
                 if self._repoint_locked(old, new if ok else None, drop=drop):
                     moved += 1
                     if new.tier < old.tier:
-                        self.counts.promoted_chunks += 1
+                        self._counts.promoted_chunks += 1
                     else:
-                        self.counts.demoted_chunks += 1
+                        self._counts.demoted_chunks += 1
                 else:
                     self.tiers[new.tier].release(new.offset, 1)
         return moved
@@ -564,7 +587,7 @@ class StoreIndex:
             e = self._entries.get(sl.key)
             if e is not None and e.slot is sl:
                 e.moving = False
-            self.unread_locked(sl)
+            self._unread_locked(sl)
 
     def _drop_locked(self, t: int, victims: Sequence[Slot]) -> int:
         dropped = 0
@@ -573,10 +596,10 @@ class StoreIndex:
             for sl in victims:
                 e = self._entries.get(sl.key)
                 if e is not None and e.slot is sl:
-                    self.remove_locked(sl.key, e)
+                    self._remove_locked(sl.key, e)
                     dropped += 1
-        self.counts.dropped_chunks += dropped
-        self.emit_gone_locked()
+        self._counts.dropped_chunks += dropped
+        self._emit_gone_locked()
         self._emit(StoreEvent(EventKind.DROPPED, self.tiers[t].name, dropped, 0))
         return dropped
 
@@ -592,47 +615,28 @@ class StoreIndex:
                 self._evict[old.tier].remove(old.key)
                 e.slot = new
                 self._evict[new.tier].insert(old.key, old.value_bytes)
-                self.retire_locked(old)
+                self._retire_locked(old)
                 moved = True
             elif drop:
-                self.remove_locked(old.key, e)
-                self.counts.dropped_chunks += 1
-                self.emit_gone_locked()
-        self.unread_locked(old)
+                self._remove_locked(old.key, e)
+                self._counts.dropped_chunks += 1
+                self._emit_gone_locked()
+        self._unread_locked(old)
         return moved
 
-    def forget_failed(self, slots: Sequence[Slot], *, corrupt: bool) -> None:
-        """Chunks whose read failed are never served again: they become misses."""
-        with self.lock, self._batch:
-            for sl in slots:
-                e = self._entries.get(sl.key)
-                if e is not None and e.slot is sl:
-                    self.remove_locked(sl.key, e)
-            if corrupt:
-                self.counts.corrupt_chunks += len(slots)
-            self.emit_gone_locked()
+    # -- slot lifetime (lock held) ---------------------------------------------------------
 
-    def note_failure(self, tier: str, op: str) -> int:
-        """Count one tier failure; returns how many of this (tier, op) came before."""
-        with self.lock:
-            self.counts.tier_errors += 1
-            seen = self._failures.get((tier, op), 0)
-            self._failures[(tier, op)] = seen + 1
-        return seen
-
-    # -- slot lifetime (lock held) ------------------------------------------------------------
-
-    def remove_locked(self, key: ChunkKey, e: Entry) -> None:
+    def _remove_locked(self, key: ChunkKey, e: Entry) -> None:
         """Take a chunk out of the index; its bytes go when the last reader is done.
 
-        The caller ends its operation with :meth:`emit_gone_locked`.
+        The caller ends its operation with :meth:`_emit_gone_locked`.
         """
         del self._entries[key]
         self._evict[e.slot.tier].remove(key)
         self._gone.append(e.slot)
-        self.retire_locked(e.slot)
+        self._retire_locked(e.slot)
 
-    def emit_gone_locked(self) -> None:
+    def _emit_gone_locked(self) -> None:
         """Announce the chunks removed since the last call (one event per tier)."""
         if not self._gone:
             return
@@ -647,12 +651,12 @@ class StoreIndex:
     def _emit_keys(self, kind: EventKind, t: int, keys: tuple[ChunkKey, ...], nbytes: int) -> None:
         self._emit(StoreEvent(kind, self.tiers[t].name, len(keys), nbytes, keys=keys))
 
-    def retire_locked(self, sl: Slot) -> None:
+    def _retire_locked(self, sl: Slot) -> None:
         sl.retired = True
         if sl.readers == 0:
             self._free_slot_locked(sl)
 
-    def unread_locked(self, sl: Slot) -> None:
+    def _unread_locked(self, sl: Slot) -> None:
         sl.readers -= 1
         if sl.retired and sl.readers == 0:
             self._free_slot_locked(sl)
@@ -665,18 +669,7 @@ class StoreIndex:
         tier.forget(SlotRun(sl.offset, (sl.key,), sl.value_bytes))
         tier.release(sl.offset, 1)
 
-    def batched_frees_locked(self) -> _FreeBatch:
-        """A context (lock held) whose freed slots are released together at its end.
-
-        Deleting or evicting a sequence frees whole extents: one release of a run of
-        slots lets the allocator free each buddy block at once, where a release per slot
-        splits the block down to single slots and coalesces it back up (a cost per chunk
-        that ``kvtier bench host`` showed in every put that made room). Nested contexts
-        join the outermost one.
-        """
-        return self._batch
-
-    def release_runs_locked(self, frees: list[Slot]) -> None:
+    def _release_runs(self, frees: list[Slot]) -> None:
         """Give ``frees`` back to their tiers, a run of consecutive slots at a time."""
         if len(frees) > 1:
             frees.sort(key=lambda sl: (sl.tier, sl.offset))
@@ -685,10 +678,12 @@ class StoreIndex:
             tier.forget(run)
             tier.release(run.offset, run.n)
 
-    # -- start-up and stats ----------------------------------------------------------------
+    # -- start-up, failures and stats ------------------------------------------------------
 
     def recover(self) -> None:
-        """Index what persistent tiers kept across a restart; a higher tier's copy wins."""
+        """Index what persistent tiers kept across a restart; a higher tier's copy wins.
+
+        Called once, by the store, before any other call."""
         for t, tier in enumerate(self.tiers):
             recovered = 0
             for run in tier.recover():
@@ -703,14 +698,22 @@ class StoreIndex:
             if recovered:
                 log.info("tier %s: recovered %d chunks", tier.name, recovered)
 
-    def stats(self, placement: PlacementPolicy | None = None) -> StoreStats:
-        """A frozen snapshot of the counters, with each tier's own stats and what
-        ``placement`` reports (read under the lock its hooks run under)."""
+    def note_failure(self, tier: str, op: str) -> int:
+        """Count one tier failure; returns how many of this (tier, op) came before."""
         with self.lock:
-            counts = dataclasses.asdict(self.counts)
+            self._counts.tier_errors += 1
+            seen = self._failures.get((tier, op), 0)
+            self._failures[(tier, op)] = seen + 1
+        return seen
+
+    def stats(self) -> StoreStats:
+        """A frozen snapshot of the counters, with each tier's own stats and what the
+        placement reports (read under the lock its hooks run under)."""
+        with self.lock:
+            counts = dataclasses.asdict(self._counts)
             chunks = len(self._entries)
             hits = tuple((t.name, n) for t, n in zip(self.tiers, self._tier_hits, strict=True))
-            report = tuple(placement.report()) if placement is not None else ()
+            report = tuple(self._placement.report())
         return StoreStats(
             chunks=chunks,
             tier_hits=hits,
@@ -721,8 +724,14 @@ class StoreIndex:
 
 
 class _FreeBatch:
-    """The context of :meth:`StoreIndex.batched_frees_locked` (a plain class: a
-    generator-based context manager cost more than it saved on one-chunk operations)."""
+    """A context (lock held) whose freed slots are released together at its end.
+
+    Deleting or evicting a sequence frees whole extents: one release of a run of slots
+    lets the allocator free each buddy block at once, where a release per slot splits
+    the block down to single slots and coalesces it back up (a cost per chunk in every
+    put that made room). Nested contexts join the outermost one. A plain class: a
+    generator-based context manager cost more than it saved on one-chunk operations.
+    """
 
     __slots__ = ("_depth", "_index")
 
@@ -740,4 +749,4 @@ class _FreeBatch:
         if self._depth == 0:
             frees, self._index._frees = self._index._frees, None
             if frees:
-                self._index.release_runs_locked(frees)
+                self._index._release_runs(frees)

@@ -444,7 +444,7 @@ class TieredStore:
 
     def stats(self) -> StoreStats:
         """A snapshot of the store's counters and each tier's stats. Thread-safe."""
-        return self._index.stats(self.placement)
+        return self._index.stats()
 
     def drain(self) -> None:
         """Wait until no operation is queued or running, background promotions included."""
