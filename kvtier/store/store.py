@@ -239,7 +239,7 @@ class TieredStore:
                 if view is None:
                     tier.release(offset, 1)
                     break
-                return Reservation(self, key, t, offset, view)
+                return Reservation(self._mover, self._done, key, t, offset, view)
         except BaseException:
             self._index.cancel_store_one(key)
             self._done(None)
@@ -356,7 +356,7 @@ class TieredStore:
             return None
         with self._idle_lock:  # counted like a queued operation: drain() and close() wait for it
             self._inflight += 1
-        return HeldValue(self, sl, view)
+        return HeldValue(self._mover, self._done, sl, view)
 
     def _hold_for(
         self, keys: Sequence[ChunkKey], dst: Buffer
