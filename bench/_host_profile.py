@@ -65,7 +65,6 @@ PROFILED: dict[str, tuple[tuple[Any, str], ...]] = {
         (StoreIndex, "remove"),
         (StoreIndex, "_release_runs"),
         (Tier, "release"),
-        (Tier, "commit_forgets"),
     ),
 }
 

@@ -3,8 +3,8 @@
 Everything here is guarded by one lock, which the index takes itself: every public
 method takes it, and the private ``_locked`` helpers expect it held. The placement's
 hooks run under it too (the contract of :mod:`kvtier.store.policy`), called from here.
-Nothing here moves bytes: the only calls into a tier are allocator releases and the
-tier's ``forget`` hook when a slot is freed (the :class:`~kvtier.store.mover.Mover`
+Nothing here moves bytes: the only calls into a tier are allocator releases and a
+persistent tier's ``forget`` when a slot is freed (the :class:`~kvtier.store.mover.Mover`
 does every transfer).
 
 The mover and the store change the books through two-phase verbs, as vLLM's offloading
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from kvtier.keys import ChunkKey
 from kvtier.store.policy import EvictionFactory, EvictionPolicy, PlacementPolicy
 from kvtier.store.types import EventKind, StoreEvent, StoreStats
-from kvtier.tiers.base import SlotRun, Tier
+from kvtier.tiers.base import PersistentTier, SlotRun, Tier
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +160,8 @@ class StoreIndex:
     ) -> None:
         self.tiers = tuple(tiers)
         self._placement = placement
+        # The tiers told of every slot freed (they journal it), by position.
+        self._persistent = [t if isinstance(t, PersistentTier) else None for t in self.tiers]
         # Reentrant: the placement's hooks run under it and may read the index back
         # through its TierView methods, which take it too. Named without an underscore
         # only as the lock those hooks are promised to run under: nothing outside the
@@ -665,18 +667,20 @@ class StoreIndex:
         if self._frees is not None:
             self._frees.append(sl)
             return
-        tier = self.tiers[sl.tier]
-        tier.forget(SlotRun(sl.offset, (sl.key,), sl.value_bytes))
-        tier.release(sl.offset, 1)
+        keeper = self._persistent[sl.tier]
+        if keeper is not None:
+            keeper.forget(SlotRun(sl.offset, (sl.key,), sl.value_bytes))
+        self.tiers[sl.tier].release(sl.offset, 1)
 
     def _release_runs(self, frees: list[Slot]) -> None:
         """Give ``frees`` back to their tiers, a run of consecutive slots at a time."""
         if len(frees) > 1:
             frees.sort(key=lambda sl: (sl.tier, sl.offset))
         for _, t, run in runs_of(frees):
-            tier = self.tiers[t]
-            tier.forget(run)
-            tier.release(run.offset, run.n)
+            keeper = self._persistent[t]
+            if keeper is not None:
+                keeper.forget(run)
+            self.tiers[t].release(run.offset, run.n)
 
     # -- start-up, failures and stats ------------------------------------------------------
 
@@ -684,7 +688,9 @@ class StoreIndex:
         """Index what persistent tiers kept across a restart; a higher tier's copy wins.
 
         Called once, by the store, before any other call."""
-        for t, tier in enumerate(self.tiers):
+        for t, tier in enumerate(self._persistent):
+            if tier is None:
+                continue
             recovered = 0
             for run in tier.recover():
                 for j, key in enumerate(run.keys):

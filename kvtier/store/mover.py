@@ -25,7 +25,7 @@ from kvtier.keys import ChunkKey
 from kvtier.store.events import Events
 from kvtier.store.index import Room, Slot, StoreIndex, runs_of
 from kvtier.store.types import EventKind, GetResult, PutResult, StoreEvent
-from kvtier.tiers.base import SlotRun, Tier
+from kvtier.tiers.base import SharedTier, SlotRun, ViewableTier
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,10 @@ def _offsets(extents: Sequence[Extent]) -> list[int]:
     return [o for ext in extents for o in range(ext.offset, ext.offset + ext.units)]
 
 
-def _landing(tier: Tier, slots: list[Slot]) -> memoryview | None:
+def _landing(tier: ViewableTier | None, slots: list[Slot]) -> memoryview | None:
     """New slots as one view to read into: they must be consecutive in a tier of memory."""
+    if tier is None:
+        return None
     first = slots[0]
     if any(sl.offset != first.offset + j for j, sl in enumerate(slots)):
         return None
@@ -88,7 +90,9 @@ class Mover:
         self.slot_bytes = min(t.slot_bytes for t in self.tiers)
         self.promote_on_hit = promote_on_hit
         self.emit = events.emit
-        self.shared = [i for i, t in enumerate(self.tiers) if t.shared]
+        # The tiers with each capability, by position: asked once, here, by type.
+        self.shared = {i: t for i, t in enumerate(self.tiers) if isinstance(t, SharedTier)}
+        self.views = [t if isinstance(t, ViewableTier) else None for t in self.tiers]
         self._background = background
 
     # -- put -------------------------------------------------------------------------------
@@ -264,10 +268,9 @@ class Mover:
         out: list[Slot] = []
         rest = list(keys)
         room = max_bytes
-        for t in self.shared:
+        for t, tier in self.shared.items():
             if not rest:
                 break
-            tier = self.tiers[t]
             lengths: list[int] = []
             for length in list(tier.probe(rest))[: len(rest)]:
                 if not 0 < length <= min(tier.slot_bytes, self.slot_bytes):
@@ -409,20 +412,21 @@ class Mover:
         the new slots where they are one run of a tier of plain memory (a promotion from
         nvme into the host tier). Anything else is read into one staging buffer.
         """
-        dst_tier = self.tiers[new_slots[0].tier]
+        dst_views = self.views[new_slots[0].tier]
         bufs: list[memoryview] = []
         where: list[tuple[int, int]] = [(-1, 0)] * len(victims)
         staged: list[tuple[int, int, SlotRun]] = []
         for first, t, run in runs_of(victims):
             src = self.tiers[t]
-            in_place = src.run_view(run)
+            src_views = self.views[t]
+            in_place = src_views.run_view(run) if src_views is not None else None
             if in_place is not None:
                 src.count_read(run.nbytes)
                 bufs.append(in_place)
                 for j in range(run.n):
                     where[first + j] = (len(bufs) - 1, j * run.value_bytes)
                 continue
-            landing = _landing(dst_tier, new_slots[first : first + run.n])
+            landing = _landing(dst_views, new_slots[first : first + run.n])
             if landing is None:
                 staged.append((first, t, run))
                 continue
@@ -431,7 +435,7 @@ class Mover:
             except TierError as exc:
                 self._read_failed(t, victims[first : first + run.n], exc)
                 continue
-            dst_tier.note_written(run.nbytes)
+            self.tiers[new_slots[0].tier].note_written(run.nbytes)
             for j in range(run.n):
                 written[first + j] = True
         if staged:

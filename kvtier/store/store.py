@@ -58,7 +58,7 @@ from kvtier.store.types import (
     StoreEvent,
     StoreStats,
 )
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import PersistentTier, SharedTier, Tier, ViewableTier
 
 Buffer = memoryview | bytes | bytearray | npt.NDArray[Any]
 T = TypeVar("T")
@@ -149,8 +149,13 @@ class TieredStore:
         self._drainers = 0
         self._closed = False
         self._index.recover()
-        # Tiers whose reads are plain memcpys (they give slot views): see get().
-        self._memory = [t.slot_view(0, 1) is not None for t in self.tiers]
+        # Tiers whose reads are plain memcpys (they give slot views), by position: see
+        # get(). slot_view(0, 1) asks whether this instance gives views at all.
+        self._views = [
+            t if isinstance(t, ViewableTier) and t.slot_view(0, 1) is not None else None
+            for t in self.tiers
+        ]
+        self._memory = [v is not None for v in self._views]
 
     # -- public API ----------------------------------------------------------------------
 
@@ -205,7 +210,7 @@ class TieredStore:
         caller's thread and never does I/O. Returns None, and changes nothing, when the
         chunk cannot be written this way; :meth:`put` then does it: the key is present
         or being put, the tier the placement admits it to offers no direct view
-        (:meth:`~kvtier.tiers.base.Tier.slot_view`: a medium behind I/O), or that tier
+        (:class:`~kvtier.tiers.base.ViewableTier`: not a medium behind I/O), or that tier
         has no free slot (making room may move chunks, which is I/O).
 
         Until :meth:`Reservation.commit` the chunk is not indexed: lookups miss it and a
@@ -225,9 +230,8 @@ class TieredStore:
         with self._idle_lock:  # counted like a queued operation: drain() and close() wait for it
             self._inflight += 1
         try:
-            for t, tier in enumerate(self.tiers):
-                # slot_view(0, ...) only asks whether the tier gives views at all.
-                if tier.free_slots < 1 or tier.slot_view(0, value_bytes) is None:
+            for t, tier in enumerate(self._views):
+                if tier is None or tier.free_slots < 1:
                     break  # put() makes room, or writes through the tier
                 if not self._index.admit(t, [key], value_bytes):
                     continue
@@ -286,7 +290,7 @@ class TieredStore:
         :meth:`lookup`. ``inline``: as for :meth:`put`.
 
         ``inline_memory_bytes``: read on the caller's thread anyway (a done future) when
-        the hit lies in tiers of plain memory (:meth:`~kvtier.tiers.base.Tier.slot_view`)
+        the hit lies in tiers of plain memory (:class:`~kvtier.tiers.base.ViewableTier`)
         and needs at most this many bytes, or is a miss with no shared tier to ask: a
         memcpy then costs less than the hand-off to an I/O thread and back (the daemon's
         event loop uses it; a tier behind I/O still never blocks the caller).
@@ -345,18 +349,17 @@ class TieredStore:
         self._check_open()
         (key,) = check_keys([key])
         slots = self._index.prepare_load([key])
-        sl = slots[0] if slots else None
-        view = (
-            self.tiers[sl.tier].slot_view(sl.offset, sl.value_bytes)
-            if sl is not None and sl.value_bytes <= max_bytes and self._memory[sl.tier]
-            else None
-        )
-        if sl is None or view is None:
+        view = None
+        if slots and slots[0].value_bytes <= max_bytes:
+            tier = self._views[slots[0].tier]
+            if tier is not None:
+                view = tier.slot_view(slots[0].offset, slots[0].value_bytes)
+        if view is None:
             self._index.cancel_load(slots)
             return None
         with self._idle_lock:  # counted like a queued operation: drain() and close() wait for it
             self._inflight += 1
-        return HeldValue(self._mover, self._done, sl, view)
+        return HeldValue(self._mover, self._done, slots[0], view)
 
     def _hold_for(
         self, keys: Sequence[ChunkKey], dst: Buffer
@@ -390,20 +393,22 @@ class TieredStore:
         gone = self._index.remove(keys)
         removed = len(gone)
         if self._mover.shared:
-            # forget() leaves shared values alone (others may use them); delete must not.
+            # Evictions leave shared values alone (others may use them); delete must not.
             known = set(gone)
             elsewhere = [k for k in keys if k not in known]
             found_elsewhere = 0
-            for t in self._mover.shared:
+            for shared in self._mover.shared.values():
                 if gone:
-                    self.tiers[t].discard(gone)
+                    shared.discard(gone)
                 if elsewhere:
-                    found_elsewhere = max(found_elsewhere, self.tiers[t].discard(elsewhere))
+                    found_elsewhere = max(found_elsewhere, shared.discard(elsewhere))
             removed += found_elsewhere
         self._index.note_deleted(removed)
         if removed:
             self._events.emit(StoreEvent(EventKind.DELETED, "", removed, 0))
         for i, tier in enumerate(self.tiers):
+            if not isinstance(tier, PersistentTier):
+                continue
             # Also when nothing was removed now: a retried delete learns whether the
             # first one's records have reached the disk since.
             try:
@@ -500,7 +505,7 @@ class TieredStore:
         memory tier's content is). Returns how many chunks moved. Never raises for tier
         failures (a chunk that fails to move stays where it was).
         """
-        persistent = [i for i, t in enumerate(self.tiers) if t.persistent]
+        persistent = [i for i, t in enumerate(self.tiers) if isinstance(t, PersistentTier)]
         if not persistent:
             return 0
         self.drain()
@@ -508,7 +513,7 @@ class TieredStore:
         total = 0
         for t, tier in enumerate(self.tiers):
             below = [p for p in persistent if p > t]
-            if tier.persistent or tier.shared or not below:
+            if isinstance(tier, PersistentTier | SharedTier) or not below:
                 continue
             target = below[0]
             started = time.monotonic()
