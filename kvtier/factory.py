@@ -13,7 +13,7 @@ from kvtier.keys import ChunkHasher, Namespace
 from kvtier.spec import PRESETS, DType, KVSpec, preset
 from kvtier.store.policy import PlacementPolicy, eviction_factory, placement_factory
 from kvtier.store.store import TieredStore
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import SharedTier, Tier
 from kvtier.tiers.registry import create_tier
 
 
@@ -69,8 +69,10 @@ def build_store(
     tiers: list[Tier] = []
     try:
         for section in cfg.tiers:
-            tiers.append(create_tier(section, slot, cfg.store.max_extent_bytes))
-            tiers[-1].bind(namespace)
+            tier = create_tier(section, slot, cfg.store.max_extent_bytes)
+            tiers.append(tier)
+            if isinstance(tier, SharedTier):  # keeps tenants apart in the shared medium
+                tier.bind(namespace)
     except BaseException:
         for t in tiers:
             t.close()

@@ -27,6 +27,7 @@ from kvtier.keys import ChunkKey
 from kvtier.store.handles import HeldValue, Reservation
 from kvtier.store.store import TieredStore
 from kvtier.store.types import GetResult, LookupResult, PutResult
+from kvtier.tiers.base import SharedTier
 
 from . import wire
 from .buffers import ValueBuffers
@@ -114,7 +115,7 @@ class Daemon:
         # sync journal commit) run here, never on the event loop: a hung Redis must not
         # stall /healthz or the requests that do not need it.
         self._blocking = ThreadPoolExecutor(8, thread_name_prefix="kvtier-daemon")
-        self._lookup_blocks = any(t.shared for t in self.store.tiers)
+        self._lookup_blocks = any(isinstance(t, SharedTier) for t in self.store.tiers)
         if self.mapper.random_salt and self.store.stats().chunks:
             log.warning(
                 "service.key_salt is empty: the %d chunks recovered at start-up are unreachable",

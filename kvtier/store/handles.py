@@ -6,15 +6,16 @@ Both point into a tier's memory and are counted as operations in flight, so
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvtier.keys import ChunkKey
 from kvtier.store.index import Slot
-from kvtier.store.types import EventKind, PutResult, StoreEvent
+from kvtier.store.mover import Mover
+from kvtier.store.types import PutResult
 
-if TYPE_CHECKING:
-    from kvtier.store.store import TieredStore
+Done = Callable[[object], None]
+"""Ends one operation the store counted as in flight (its argument is ignored)."""
 
 
 @dataclass(eq=False)
@@ -25,7 +26,8 @@ class HeldValue:
     use the view after. One owner.
     """
 
-    _store: TieredStore = field(repr=False)
+    _mover: Mover = field(repr=False)
+    _done: Done = field(repr=False)
     slot: Slot = field(repr=False)
     view: memoryview = field(repr=False)
     _released: bool = field(default=False, repr=False)
@@ -35,13 +37,10 @@ class HeldValue:
         if self._released:
             return
         self._released = True
-        s, sl = self._store, self.slot
         try:
-            s._index.unread([sl])  # first: the slot is freeable whatever follows
-            s._mover.count_hits([sl], sl.value_bytes)
-            s.tiers[sl.tier].count_read(sl.value_bytes)
+            self._mover.complete_hold(self.slot)
         finally:
-            s._done(None)
+            self._done(None)
 
 
 @dataclass(eq=False)
@@ -53,7 +52,8 @@ class Reservation:
     thread. The view points into the tier's memory: never use it after commit or abort.
     """
 
-    _store: TieredStore = field(repr=False)
+    _mover: Mover = field(repr=False)
+    _done: Done = field(repr=False)
     key: ChunkKey
     tier: int
     _offset: int
@@ -65,18 +65,10 @@ class Reservation:
         if not self._open:
             return PutResult(0, 0, 0, 0)
         self._open = False
-        s = self._store
-        nbytes = self.view.nbytes
-        tier = s.tiers[self.tier]
         try:
-            tier.note_written(nbytes)
-            with s._index.lock:
-                s._index.counts.puts += 1
-            s._index.add_written(self.tier, [(self.key, self._offset)], nbytes)
-            s._index.finish_put([(0, self.key)], 1, 0)
-            s._mover.emit(StoreEvent(EventKind.STORED, tier.name, 1, nbytes))
+            self._mover.complete_reserved(self.tier, self.key, self._offset, self.view.nbytes)
         finally:
-            s._done(None)
+            self._done(None)
         return PutResult(1, 0, 0, 0)
 
     def abort(self) -> None:
@@ -84,9 +76,7 @@ class Reservation:
         if not self._open:
             return
         self._open = False
-        s = self._store
         try:
-            s.tiers[self.tier].release(self._offset, 1)
-            s._index.unclaim(self.key)
+            self._mover.cancel_reserved(self.tier, self.key, self._offset)
         finally:
-            s._done(None)
+            self._done(None)

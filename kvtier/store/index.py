@@ -1,9 +1,19 @@
 """The store's books: which chunk lives in which slot, who holds it, and what was counted.
 
-Everything here is guarded by one lock, :attr:`StoreIndex.lock`. Methods whose names end
-in ``_locked`` expect the caller to hold it; the others take it themselves. Nothing here
-moves bytes: the only calls into a tier are allocator releases and the tier's ``forget``
-hook when a slot is freed (the :class:`~kvtier.store.mover.Mover` does every transfer).
+Everything here is guarded by one lock, which the index takes itself: every public
+method takes it, and the private ``_locked`` helpers expect it held. The placement's
+hooks run under it too (the contract of :mod:`kvtier.store.policy`), called from here.
+Nothing here moves bytes: the only calls into a tier are allocator releases and a
+persistent tier's ``forget`` when a slot is freed (the :class:`~kvtier.store.mover.Mover`
+does every transfer).
+
+The mover and the store change the books through two-phase verbs, as vLLM's offloading
+manager does (``prepare_store``, then ``complete_store(success)``): a load, a store or a
+move is *prepared* (keys claimed, slots read-held, nothing visible yet), its bytes move
+with no lock held, and it is then *completed* (indexed, repointed, counted) or
+*cancelled* (nothing changed). Eviction is atomic: a round of
+:meth:`StoreIndex.prepare_eviction` claims exactly the victims that make the room, or
+changes nothing.
 
 A *slot* is one stored copy of a chunk; an *entry* is the index record of a chunk and
 points at its current slot. A slot whose chunk moved or was deleted is *retired*: its
@@ -15,6 +25,7 @@ reader bytes that a new put has overwritten.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -23,7 +34,7 @@ from dataclasses import dataclass
 from kvtier.keys import ChunkKey
 from kvtier.store.policy import EvictionFactory, EvictionPolicy, PlacementPolicy
 from kvtier.store.types import EventKind, StoreEvent, StoreStats
-from kvtier.tiers.base import SlotRun, Tier
+from kvtier.tiers.base import PersistentTier, SlotRun, Tier
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +93,31 @@ class Counters:
     adopted_chunks: int = 0
 
 
+class Room(enum.Enum):
+    """How a round of :meth:`StoreIndex.prepare_eviction` ended without a move to make."""
+
+    FREE = "free"
+    """The tier has the room: nothing to evict."""
+    SHORT = "short"
+    """Its evictable chunks cannot make the room: nothing changed."""
+    DROPPED = "dropped"
+    """Victims were taken out of the index (the placement sent them nowhere)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Eviction:
+    """Victims claimed by :meth:`StoreIndex.prepare_eviction` for a move down.
+
+    Attributes:
+        victims: their slots, read-held and marked moving until the move ends
+            (:meth:`StoreIndex.complete_move` or :meth:`StoreIndex.drop_moves`).
+        target: the tier the placement sends them to.
+    """
+
+    victims: tuple[Slot, ...]
+    target: int
+
+
 def runs_of(slots: Sequence[Slot]) -> list[tuple[int, int, SlotRun]]:
     """Group slots into runs of consecutive offsets of one tier and equal length.
 
@@ -111,14 +147,27 @@ class StoreIndex:
     Args:
         tiers: the store's tiers, top first (the index releases slots to them).
         eviction: builds one eviction policy per tier.
+        placement: the store's placement; the index runs its hooks under its lock.
+        emit: announces index changes (INDEXED / UNINDEXED events).
     """
 
-    def __init__(self, tiers: Sequence[Tier], eviction: EvictionFactory) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        eviction: EvictionFactory,
+        placement: PlacementPolicy,
+        emit: Callable[[StoreEvent], None],
+    ) -> None:
         self.tiers = tuple(tiers)
-        # Reentrant: a make-room pass drops victims while it holds the lock, and
-        # dropping goes through the same helpers as a delete.
+        self._placement = placement
+        # The tiers told of every slot freed (they journal it), by position.
+        self._persistent = [t if isinstance(t, PersistentTier) else None for t in self.tiers]
+        # Reentrant: the placement's hooks run under it and may read the index back
+        # through its TierView methods, which take it too. Named without an underscore
+        # only as the lock those hooks are promised to run under: nothing outside the
+        # index takes it.
         self.lock = threading.RLock()
-        self.counts = Counters()
+        self._counts = Counters()
         self._entries: dict[ChunkKey, Entry] = {}
         # Keys a put has claimed but not yet indexed: a second put skips them.
         self._pending: set[ChunkKey] = set()
@@ -127,14 +176,14 @@ class StoreIndex:
         self._failures: dict[tuple[str, str], int] = {}
         # Index changes go out as INDEXED / UNINDEXED events, under the lock (so their
         # order is the index's), before the operation that caused them completes.
-        self.emit: Callable[[StoreEvent], None] = lambda event: None
+        self._emit = emit
         self._gone: list[Slot] = []  # removed by the operation in progress
         # Slots freed by the operation in progress, released together at its end (see
-        # batched_frees_locked); None while no batch is open.
+        # _FreeBatch); None while no batch is open.
         self._frees: list[Slot] | None = None
         self._batch = _FreeBatch(self)
 
-    # -- queries and holds (take the lock) ------------------------------------------------
+    # -- queries, pins and deletes ---------------------------------------------------------
 
     def present_run(self, keys: Sequence[ChunkKey]) -> list[Slot]:
         """Slots of the leading ``keys`` the index holds (no hold taken)."""
@@ -147,35 +196,13 @@ class StoreIndex:
                 out.append(e.slot)
         return out
 
-    def hold_run(self, keys: Sequence[ChunkKey]) -> list[Slot]:
-        """Read-hold the slots of the leading present ``keys``, and mark them used.
-
-        Every slot returned must be given back through :meth:`unread`.
-        """
+    def keys(self) -> list[ChunkKey]:
+        """Every indexed key (a snapshot; no bytes read). Thread-safe."""
         with self.lock:
-            slots: list[Slot] = []
-            for key in keys:
-                e = self._entries.get(key)
-                if e is None:
-                    break
-                e.slot.readers += 1
-                slots.append(e.slot)
-            for sl in reversed(slots):  # head most recent, as in touch()
-                self._evict[sl.tier].touch(sl.key)
-            self.counts.gets += 1
-        return slots
+            return list(self._entries)
 
-    def unhold(self, slots: Sequence[Slot]) -> None:
-        """Give back the holds of a :meth:`hold_run` whose get did not happen (uncounted)."""
-        self.unread(slots)
-        with self.lock:
-            self.counts.gets -= 1
-
-    def unread(self, slots: Sequence[Slot]) -> None:
-        """Give back the read holds of ``slots``."""
-        with self.lock, self._batch:
-            for sl in slots:
-                self.unread_locked(sl)
+    def __len__(self) -> int:
+        return len(self._entries)
 
     def pin(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
         """Pin the present ``keys`` once each; returns those pinned."""
@@ -207,31 +234,117 @@ class StoreIndex:
             for key in keys:
                 e = self._entries.get(key)
                 if e is not None:
-                    self.remove_locked(key, e)
+                    self._remove_locked(key, e)
                     gone.append(key)
-            self.emit_gone_locked()
+            self._emit_gone_locked()
         return gone
 
-    def keys(self) -> list[ChunkKey]:
-        """Every indexed key (a snapshot; no bytes read). Thread-safe."""
+    def note_deleted(self, n: int) -> None:
+        """Count ``n`` chunks a delete removed (from the index or a shared medium)."""
         with self.lock:
-            return list(self._entries)
+            self._counts.deleted_chunks += n
 
-    def hottest_locked(self, t: int) -> list[ChunkKey]:
-        """Keys of tier ``t``, most recently used first (by its eviction order)."""
-        keys = list(self._evict[t].candidates())
-        keys.reverse()
-        return keys
+    # -- loads (gets) ----------------------------------------------------------------------
 
-    def __len__(self) -> int:
-        return len(self._entries)
+    def prepare_load(self, keys: Sequence[ChunkKey]) -> list[Slot]:
+        """Read-hold the slots of the leading present ``keys``, mark them used, and count
+        a get.
 
-    # -- puts ----------------------------------------------------------------------------
+        Every slot returned must be given back: by :meth:`complete_load` once read, by
+        :meth:`cancel_load` when the get does not happen, or by :meth:`unread`.
+        """
+        with self.lock:
+            slots: list[Slot] = []
+            for key in keys:
+                e = self._entries.get(key)
+                if e is None:
+                    break
+                e.slot.readers += 1
+                slots.append(e.slot)
+            for sl in reversed(slots):  # head most recent, as in touch()
+                self._evict[sl.tier].touch(sl.key)
+            self._counts.gets += 1
+        return slots
 
-    def claim_new(self, keys: Sequence[ChunkKey]) -> list[tuple[int, ChunkKey]]:
-        """Claim the ``keys`` that are neither indexed nor being put, as (position, key).
+    def cancel_load(self, slots: Sequence[Slot]) -> None:
+        """Give back the holds of a :meth:`prepare_load` whose get did not happen (uncounted)."""
+        self.unread(slots)
+        with self.lock:
+            self._counts.gets -= 1
 
-        The claimed keys stay pending until :meth:`finish_put`.
+    def unread(self, slots: Sequence[Slot]) -> None:
+        """Give back the read holds of ``slots``, counting nothing."""
+        with self.lock, self._batch:
+            for sl in slots:
+                self._unread_locked(sl)
+
+    def complete_load(
+        self, slots: Sequence[Slot], served: int, nbytes: int, *, promote: bool
+    ) -> list[list[ChunkKey]]:
+        """End a load: give back the holds of ``slots``, and count their first ``served``
+        (``nbytes`` of values) as hits, in the counters and the placement.
+
+        Returns the served keys the placement wants promoted to the top tier, one list
+        per lower tier they were served from (none unless ``promote``).
+        """
+        with self.lock:
+            with self._batch:
+                for sl in slots:
+                    self._unread_locked(sl)
+            by_tier = self._note_hits(slots[:served], nbytes)
+            for t, ks in by_tier.items():
+                self._placement.on_hit(t, ks)
+            return [
+                ks
+                for t, ks in by_tier.items()
+                if promote and t > 0 and self._placement.should_promote(t, ks)
+            ]
+
+    def _note_hits(self, served: Sequence[Slot], nbytes: int) -> dict[int, list[ChunkKey]]:
+        """Count a get's served chunks; returns their keys by tier. Lock held."""
+        by_tier: dict[int, list[ChunkKey]] = {}
+        self._counts.get_chunks += len(served)
+        self._counts.get_bytes += nbytes
+        for sl in served:
+            self._tier_hits[sl.tier] += 1
+            by_tier.setdefault(sl.tier, []).append(sl.key)
+        return by_tier
+
+    def forget_failed(self, slots: Sequence[Slot], *, corrupt: bool) -> None:
+        """Chunks whose read failed are never served again: they become misses."""
+        with self.lock, self._batch:
+            for sl in slots:
+                e = self._entries.get(sl.key)
+                if e is not None and e.slot is sl:
+                    self._remove_locked(sl.key, e)
+            if corrupt:
+                self._counts.corrupt_chunks += len(slots)
+            self._emit_gone_locked()
+
+    def note_lookup(self, keys: Sequence[ChunkKey], hits: int) -> None:
+        """Count a lookup of ``keys`` whose first ``hits`` were present; the rest are
+        misses the placement hears of."""
+        with self.lock:
+            counts = self._counts
+            counts.lookups += 1
+            counts.lookup_hit_chunks += hits
+            counts.lookup_miss_chunks += len(keys) - hits
+            if hits < len(keys):
+                self._placement.on_miss(keys[hits:])
+
+    # -- stores (puts) ---------------------------------------------------------------------
+
+    def admit(self, t: int, keys: Sequence[ChunkKey], value_bytes: int) -> bool:
+        """Whether the placement admits these new chunks into tier ``t``."""
+        with self.lock:
+            return self._placement.admit(t, keys, value_bytes)
+
+    def prepare_store(self, keys: Sequence[ChunkKey]) -> list[tuple[int, ChunkKey]]:
+        """Claim the ``keys`` that are neither indexed nor being put, as (position, key),
+        and count a put.
+
+        The claimed keys stay pending (a concurrent put counts them present) until
+        :meth:`complete_store`; what was written meanwhile is indexed by :meth:`add_stored`.
         """
         with self.lock:
             fresh: list[tuple[int, ChunkKey]] = []
@@ -242,43 +355,60 @@ class StoreIndex:
                     fresh.append((i, k))
                     seen.add(k)
             self._pending.update(k for _, k in fresh)
-            self.counts.puts += 1
-            self.counts.put_present += len(keys) - len(fresh)
+            self._counts.puts += 1
+            self._counts.put_present += len(keys) - len(fresh)
         return fresh
 
-    def claim_one(self, key: ChunkKey) -> bool:
+    def add_stored(self, t: int, written: Sequence[tuple[ChunkKey, int]], value_bytes: int) -> None:
+        """Index chunks of a put just written into tier ``t``, as (key, slot number) in
+        sequence order."""
+        with self.lock:
+            self._add_locked(t, written, value_bytes)
+
+    def complete_store(
+        self, claimed: Sequence[tuple[int, ChunkKey]], stored: int, failed: int
+    ) -> None:
+        """End a put of the ``claimed`` keys: ``stored`` were written and indexed,
+        ``failed`` failed in a tier; the rest were rejected."""
+        with self.lock:
+            self._pending.difference_update(k for _, k in claimed)
+            self._counts.put_chunks += stored
+            self._counts.put_rejected += len(claimed) - stored - failed
+
+    def prepare_store_one(self, key: ChunkKey) -> bool:
         """Claim one key for a put in place (the store's ``reserve``); False when it is
-        indexed or being put. Counts nothing: the put is counted when it ends."""
+        indexed or being put. Counts nothing: the put is counted when it completes."""
         with self.lock:
             if key in self._entries or key in self._pending:
                 return False
             self._pending.add(key)
             return True
 
-    def unclaim(self, key: ChunkKey) -> None:
-        """Give back a :meth:`claim_one` that led to no put."""
+    def cancel_store_one(self, key: ChunkKey) -> None:
+        """Give back a :meth:`prepare_store_one` that led to no put."""
         with self.lock:
             self._pending.discard(key)
 
-    def finish_put(self, fresh: Sequence[tuple[int, ChunkKey]], stored: int, failed: int) -> None:
+    def complete_store_one(self, t: int, key: ChunkKey, slot_no: int, value_bytes: int) -> None:
+        """Index one chunk of a :meth:`prepare_store_one`, filled in place in slot
+        ``slot_no`` of tier ``t``, and count its put."""
         with self.lock:
-            self._pending.difference_update(k for _, k in fresh)
-            self.counts.put_chunks += stored
-            self.counts.put_rejected += len(fresh) - stored - failed
+            self._counts.puts += 1
+            self._add_locked(t, [(key, slot_no)], value_bytes)
+            self._pending.discard(key)
+            self._counts.put_chunks += 1
 
-    def add_written(
+    def _add_locked(
         self, t: int, written: Sequence[tuple[ChunkKey, int]], value_bytes: int
     ) -> None:
-        """Index chunks just written into tier ``t``, as (key, slot number) in sequence order."""
-        with self.lock:
-            # Newest-last in eviction order, tail first: a sequence loses its tail
-            # before its head, so what stays is still a usable prefix.
-            for key, slot_no in reversed(written):
-                self._entries[key] = Entry(Slot(key, t, slot_no, value_bytes))
-                self._evict[t].insert(key, value_bytes)
-            if written:
-                keys = tuple(k for k, _ in written)
-                self._emit_keys(EventKind.INDEXED, t, keys, len(keys) * value_bytes)
+        # Newest-last in eviction order, tail first: a sequence loses its tail before
+        # its head, so what stays is still a usable prefix.
+        for key, slot_no in reversed(written):
+            self._entries[key] = Entry(Slot(key, t, slot_no, value_bytes))
+            self._evict[t].insert(key, value_bytes)
+        if written:
+            keys = tuple(k for k, _ in written)
+            self._emit_keys(EventKind.INDEXED, t, keys, len(keys) * value_bytes)
 
     def add_adopted(
         self,
@@ -311,33 +441,13 @@ class StoreIndex:
                 out.append(e.slot)
             for key in reversed(new):  # head most recent, as in add_written
                 self._evict[t].insert(key, self._entries[key].slot.value_bytes)
-            self.counts.adopted_chunks += len(new)
+            self._counts.adopted_chunks += len(new)
             if new:
                 nbytes = sum(self._entries[k].slot.value_bytes for k in new)
                 self._emit_keys(EventKind.INDEXED, t, tuple(new), nbytes)
         return out
 
-    def note_hits(self, served: Sequence[Slot], nbytes: int) -> dict[int, list[ChunkKey]]:
-        """Count a get's served chunks; returns their keys by tier. Lock held by the caller."""
-        by_tier: dict[int, list[ChunkKey]] = {}
-        self.counts.get_chunks += len(served)
-        self.counts.get_bytes += nbytes
-        for sl in served:
-            self._tier_hits[sl.tier] += 1
-            by_tier.setdefault(sl.tier, []).append(sl.key)
-        return by_tier
-
-    # -- movers (lock held) ------------------------------------------------------------------
-
-    def evictable_slots(self, t: int) -> int:
-        """Free slots of tier ``t`` plus those its evictable chunks hold."""
-        with self.lock:
-            evictable = sum(
-                1
-                for e in self._entries.values()
-                if e.slot.tier == t and not (e.pins or e.moving or e.slot.readers)
-            )
-            return self.tiers[t].free_slots + evictable
+    # -- room (the placement's TierView) ---------------------------------------------------
 
     def free_slots(self, tier: int) -> int:
         """Free slots of ``tier`` (:class:`~kvtier.store.policy.TierView`)."""
@@ -357,6 +467,16 @@ class StoreIndex:
             entries = self._entries
             return sum(e.slot.value_bytes for k in keys if (e := entries.get(k)) is not None)
 
+    def evictable_slots(self, t: int) -> int:
+        """Free slots of tier ``t`` plus those its evictable chunks hold."""
+        with self.lock:
+            evictable = sum(
+                1
+                for e in self._entries.values()
+                if e.slot.tier == t and not (e.pins or e.moving or e.slot.readers)
+            )
+            return self.tiers[t].free_slots + evictable
+
     def _coldest_locked(self, t: int, n: int) -> list[ChunkKey]:
         out: list[ChunkKey] = []
         if n < 1:
@@ -370,53 +490,124 @@ class StoreIndex:
                 break
         return out
 
-    def pick_victims_locked(self, t: int, deficit: int) -> list[Slot]:
-        """Claim up to ``deficit`` of tier ``t``'s coldest free chunks for a mover."""
-        return self.claim_movers_locked(self._coldest_locked(t, deficit), lambda e: True)
+    def hottest(self, t: int) -> list[ChunkKey]:
+        """Keys of tier ``t``, most recently used first (by its eviction order)."""
+        with self.lock:
+            keys = list(self._evict[t].candidates())
+        keys.reverse()
+        return keys
 
-    def claim_movers_locked(
-        self, keys: Sequence[ChunkKey], ok: Callable[[Entry], bool]
-    ) -> list[Slot]:
-        """Mark chunks as moving (so no other mover takes them) and read-hold their slots."""
+    # -- moves (demotions, promotions, drops) ----------------------------------------------
+
+    def prepare_eviction(self, t: int, n: int) -> Room | Eviction:
+        """One round of making room for ``n`` slots in tier ``t``; atomic.
+
+        Returns :attr:`Room.FREE` when the tier has them free already, and
+        :attr:`Room.SHORT`, having changed nothing, when its evictable chunks cannot
+        free them. Otherwise exactly the missing number of its coldest chunks are
+        claimed as victims, and the placement names where they go: nowhere (they are
+        dropped now, :attr:`Room.DROPPED`), or a lower tier (an :class:`Eviction` whose
+        move the caller ends with :meth:`complete_move` or :meth:`drop_moves`).
+        """
+        with self.lock:
+            deficit = n - self.tiers[t].free_slots
+            if deficit <= 0:
+                return Room.FREE
+            victims = self._claim_locked(self._coldest_locked(t, deficit), range(t, t + 1))
+            if len(victims) < deficit:
+                self._unclaim_locked(victims)
+                return Room.SHORT
+            keys = [v.key for v in victims]
+            target = self._placement.demote_target(t, len(self.tiers), keys)
+            if target is None:
+                self._drop_locked(t, victims)
+                return Room.DROPPED
+            return Eviction(tuple(victims), target)
+
+    def prepare_move(self, keys: Sequence[ChunkKey], from_tiers: range) -> list[Slot]:
+        """Claim the indexed ``keys`` that lie in ``from_tiers`` for a move: marked as
+        moving (no other mover takes them) and read-held. Returns their slots; the
+        caller ends the move with :meth:`complete_move`, :meth:`cancel_move` or
+        :meth:`drop_moves`."""
+        with self.lock:
+            return self._claim_locked(keys, from_tiers)
+
+    def cancel_move(self, slots: Sequence[Slot]) -> None:
+        """Undo a claim for a move: the chunks stay where they are."""
+        with self.lock, self._batch:
+            self._unclaim_locked(slots)
+
+    def drop_moves(self, t: int, victims: Sequence[Slot]) -> int:
+        """Take chunks claimed for a move out of the index instead (tier ``t`` must lose
+        them and no tier below takes them); returns how many went."""
+        with self.lock:
+            return self._drop_locked(t, victims)
+
+    def complete_move(
+        self,
+        victims: Sequence[Slot],
+        landed: Sequence[Slot],
+        written: Sequence[bool],
+        *,
+        drop: bool,
+    ) -> int:
+        """End a move: point each victim's chunk at its ``landed`` slot where it was
+        ``written``; returns how many moved (counted as promoted when they went up, as
+        demoted when they went down).
+
+        A chunk whose copy failed is dropped when ``drop`` (a victim that must leave its
+        tier) and stays where it was otherwise. A landed slot the index does not take
+        (the copy failed, or the chunk was deleted meanwhile) goes back to its tier. The
+        old copies are released once their last reader is done.
+        """
+        moved = 0
+        with self.lock, self._batch:
+            for old, new, ok in zip(victims, landed, written, strict=True):
+                if self._repoint_locked(old, new if ok else None, drop=drop):
+                    moved += 1
+                    if new.tier < old.tier:
+                        self._counts.promoted_chunks += 1
+                    else:
+                        self._counts.demoted_chunks += 1
+                else:
+                    self.tiers[new.tier].release(new.offset, 1)
+        return moved
+
+    def _claim_locked(self, keys: Sequence[ChunkKey], from_tiers: range) -> list[Slot]:
         out: list[Slot] = []
         for key in keys:
             e = self._entries.get(key)
-            if e is None or e.moving or not ok(e):
+            if e is None or e.moving or e.slot.tier not in from_tiers:
                 continue
             e.moving = True
             e.slot.readers += 1
             out.append(e.slot)
         return out
 
-    def release_movers_locked(self, slots: Sequence[Slot]) -> None:
-        """Undo :meth:`claim_movers_locked`: the chunks stay where they are."""
+    def _unclaim_locked(self, slots: Sequence[Slot]) -> None:
         for sl in slots:
             e = self._entries.get(sl.key)
             if e is not None and e.slot is sl:
                 e.moving = False
-            self.unread_locked(sl)
+            self._unread_locked(sl)
 
-    def drop_movers_locked(self, victims: Sequence[Slot]) -> int:
-        """Release claimed victims and take them out of the index; returns how many went."""
+    def _drop_locked(self, t: int, victims: Sequence[Slot]) -> int:
         dropped = 0
         with self._batch:
-            self.release_movers_locked(victims)
+            self._unclaim_locked(victims)
             for sl in victims:
                 e = self._entries.get(sl.key)
                 if e is not None and e.slot is sl:
-                    self.remove_locked(sl.key, e)
+                    self._remove_locked(sl.key, e)
                     dropped += 1
-        self.counts.dropped_chunks += dropped
-        self.emit_gone_locked()
+        self._counts.dropped_chunks += dropped
+        self._emit_gone_locked()
+        self._emit(StoreEvent(EventKind.DROPPED, self.tiers[t].name, dropped, 0))
         return dropped
 
-    def repoint_locked(self, old: Slot, new: Slot | None, *, drop: bool) -> bool:
-        """End one claimed move: point the chunk at ``new`` if it was written.
-
-        ``new`` is None when the copy failed: the chunk is then dropped when ``drop``
-        (a victim that must leave its tier), and stays where it was otherwise. Returns
-        whether the chunk moved. The caller releases ``new``'s slot when it did not.
-        """
+    def _repoint_locked(self, old: Slot, new: Slot | None, *, drop: bool) -> bool:
+        """End one claimed move: point the chunk at ``new`` if it was written (else
+        drop it when ``drop``). Returns whether the chunk moved."""
         e = self._entries.get(old.key)
         current = e is not None and e.slot is old
         moved = False
@@ -426,47 +617,28 @@ class StoreIndex:
                 self._evict[old.tier].remove(old.key)
                 e.slot = new
                 self._evict[new.tier].insert(old.key, old.value_bytes)
-                self.retire_locked(old)
+                self._retire_locked(old)
                 moved = True
             elif drop:
-                self.remove_locked(old.key, e)
-                self.counts.dropped_chunks += 1
-                self.emit_gone_locked()
-        self.unread_locked(old)
+                self._remove_locked(old.key, e)
+                self._counts.dropped_chunks += 1
+                self._emit_gone_locked()
+        self._unread_locked(old)
         return moved
 
-    def forget_failed(self, slots: Sequence[Slot], *, corrupt: bool) -> None:
-        """Chunks whose read failed are never served again: they become misses."""
-        with self.lock, self._batch:
-            for sl in slots:
-                e = self._entries.get(sl.key)
-                if e is not None and e.slot is sl:
-                    self.remove_locked(sl.key, e)
-            if corrupt:
-                self.counts.corrupt_chunks += len(slots)
-            self.emit_gone_locked()
+    # -- slot lifetime (lock held) ---------------------------------------------------------
 
-    def note_failure(self, tier: str, op: str) -> int:
-        """Count one tier failure; returns how many of this (tier, op) came before."""
-        with self.lock:
-            self.counts.tier_errors += 1
-            seen = self._failures.get((tier, op), 0)
-            self._failures[(tier, op)] = seen + 1
-        return seen
-
-    # -- slot lifetime (lock held) ------------------------------------------------------------
-
-    def remove_locked(self, key: ChunkKey, e: Entry) -> None:
+    def _remove_locked(self, key: ChunkKey, e: Entry) -> None:
         """Take a chunk out of the index; its bytes go when the last reader is done.
 
-        The caller ends its operation with :meth:`emit_gone_locked`.
+        The caller ends its operation with :meth:`_emit_gone_locked`.
         """
         del self._entries[key]
         self._evict[e.slot.tier].remove(key)
         self._gone.append(e.slot)
-        self.retire_locked(e.slot)
+        self._retire_locked(e.slot)
 
-    def emit_gone_locked(self) -> None:
+    def _emit_gone_locked(self) -> None:
         """Announce the chunks removed since the last call (one event per tier)."""
         if not self._gone:
             return
@@ -479,14 +651,14 @@ class StoreIndex:
             self._emit_keys(EventKind.UNINDEXED, t, tuple(sl.key for sl in slots), nbytes)
 
     def _emit_keys(self, kind: EventKind, t: int, keys: tuple[ChunkKey, ...], nbytes: int) -> None:
-        self.emit(StoreEvent(kind, self.tiers[t].name, len(keys), nbytes, keys=keys))
+        self._emit(StoreEvent(kind, self.tiers[t].name, len(keys), nbytes, keys=keys))
 
-    def retire_locked(self, sl: Slot) -> None:
+    def _retire_locked(self, sl: Slot) -> None:
         sl.retired = True
         if sl.readers == 0:
             self._free_slot_locked(sl)
 
-    def unread_locked(self, sl: Slot) -> None:
+    def _unread_locked(self, sl: Slot) -> None:
         sl.readers -= 1
         if sl.retired and sl.readers == 0:
             self._free_slot_locked(sl)
@@ -495,35 +667,30 @@ class StoreIndex:
         if self._frees is not None:
             self._frees.append(sl)
             return
-        tier = self.tiers[sl.tier]
-        tier.forget(SlotRun(sl.offset, (sl.key,), sl.value_bytes))
-        tier.release(sl.offset, 1)
+        keeper = self._persistent[sl.tier]
+        if keeper is not None:
+            keeper.forget(SlotRun(sl.offset, (sl.key,), sl.value_bytes))
+        self.tiers[sl.tier].release(sl.offset, 1)
 
-    def batched_frees_locked(self) -> _FreeBatch:
-        """A context (lock held) whose freed slots are released together at its end.
-
-        Deleting or evicting a sequence frees whole extents: one release of a run of
-        slots lets the allocator free each buddy block at once, where a release per slot
-        splits the block down to single slots and coalesces it back up (a cost per chunk
-        that ``kvtier bench host`` showed in every put that made room). Nested contexts
-        join the outermost one.
-        """
-        return self._batch
-
-    def release_runs_locked(self, frees: list[Slot]) -> None:
+    def _release_runs(self, frees: list[Slot]) -> None:
         """Give ``frees`` back to their tiers, a run of consecutive slots at a time."""
         if len(frees) > 1:
             frees.sort(key=lambda sl: (sl.tier, sl.offset))
         for _, t, run in runs_of(frees):
-            tier = self.tiers[t]
-            tier.forget(run)
-            tier.release(run.offset, run.n)
+            keeper = self._persistent[t]
+            if keeper is not None:
+                keeper.forget(run)
+            self.tiers[t].release(run.offset, run.n)
 
-    # -- start-up and stats ----------------------------------------------------------------
+    # -- start-up, failures and stats ------------------------------------------------------
 
     def recover(self) -> None:
-        """Index what persistent tiers kept across a restart; a higher tier's copy wins."""
-        for t, tier in enumerate(self.tiers):
+        """Index what persistent tiers kept across a restart; a higher tier's copy wins.
+
+        Called once, by the store, before any other call."""
+        for t, tier in enumerate(self._persistent):
+            if tier is None:
+                continue
             recovered = 0
             for run in tier.recover():
                 for j, key in enumerate(run.keys):
@@ -537,14 +704,22 @@ class StoreIndex:
             if recovered:
                 log.info("tier %s: recovered %d chunks", tier.name, recovered)
 
-    def stats(self, placement: PlacementPolicy | None = None) -> StoreStats:
-        """A frozen snapshot of the counters, with each tier's own stats and what
-        ``placement`` reports (read under the lock its hooks run under)."""
+    def note_failure(self, tier: str, op: str) -> int:
+        """Count one tier failure; returns how many of this (tier, op) came before."""
         with self.lock:
-            counts = dataclasses.asdict(self.counts)
+            self._counts.tier_errors += 1
+            seen = self._failures.get((tier, op), 0)
+            self._failures[(tier, op)] = seen + 1
+        return seen
+
+    def stats(self) -> StoreStats:
+        """A frozen snapshot of the counters, with each tier's own stats and what the
+        placement reports (read under the lock its hooks run under)."""
+        with self.lock:
+            counts = dataclasses.asdict(self._counts)
             chunks = len(self._entries)
             hits = tuple((t.name, n) for t, n in zip(self.tiers, self._tier_hits, strict=True))
-            report = tuple(placement.report()) if placement is not None else ()
+            report = tuple(self._placement.report())
         return StoreStats(
             chunks=chunks,
             tier_hits=hits,
@@ -555,8 +730,14 @@ class StoreIndex:
 
 
 class _FreeBatch:
-    """The context of :meth:`StoreIndex.batched_frees_locked` (a plain class: a
-    generator-based context manager cost more than it saved on one-chunk operations)."""
+    """A context (lock held) whose freed slots are released together at its end.
+
+    Deleting or evicting a sequence frees whole extents: one release of a run of slots
+    lets the allocator free each buddy block at once, where a release per slot splits
+    the block down to single slots and coalesces it back up (a cost per chunk in every
+    put that made room). Nested contexts join the outermost one. A plain class: a
+    generator-based context manager cost more than it saved on one-chunk operations.
+    """
 
     __slots__ = ("_depth", "_index")
 
@@ -574,4 +755,4 @@ class _FreeBatch:
         if self._depth == 0:
             frees, self._index._frees = self._index._frees, None
             if frees:
-                self._index.release_runs_locked(frees)
+                self._index._release_runs(frees)

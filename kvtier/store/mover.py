@@ -2,8 +2,10 @@
 
 The :class:`Mover` writes new chunks (``put``), reads hits (``get``), makes room by
 demoting or dropping victims, promotes hits, and adopts chunks that other processes
-left in shared tiers. It runs on the store's I/O threads and holds the index lock only
-to read or change the books (:class:`~kvtier.store.index.StoreIndex`), never across I/O.
+left in shared tiers. It runs on the store's I/O threads. It changes the books
+(:class:`~kvtier.store.index.StoreIndex`) only through the index's two-phase verbs, as
+vLLM's offloading worker leaves the books to its manager: each transfer is prepared
+(keys claimed, slots held), done with no lock held, then completed or cancelled.
 
 Failures of a tier (I/O errors, corrupt bytes) never escape as exceptions: they become
 misses, a counter, an event and a rate-limited log line.
@@ -20,17 +22,16 @@ import numpy as np
 from kvtier.alloc import Extent
 from kvtier.errors import CorruptChunkError, TierError
 from kvtier.keys import ChunkKey
-from kvtier.store.index import Slot, StoreIndex, runs_of
-from kvtier.store.policy import PlacementPolicy
+from kvtier.store.events import Events
+from kvtier.store.index import Room, Slot, StoreIndex, runs_of
 from kvtier.store.types import EventKind, GetResult, PutResult, StoreEvent
-from kvtier.tiers.base import SlotRun, Tier
+from kvtier.tiers.base import SharedTier, SlotRun, ViewableTier
 
 log = logging.getLogger(__name__)
 
 Values = memoryview | list[memoryview]
 """The values of one put: packed in one buffer, or one buffer per key."""
 
-Listener = Callable[[StoreEvent], None]
 Background = Callable[[Callable[[], object]], None]
 """Runs a call later on an I/O thread (background promotions); a closed store skips it."""
 
@@ -42,8 +43,10 @@ def _offsets(extents: Sequence[Extent]) -> list[int]:
     return [o for ext in extents for o in range(ext.offset, ext.offset + ext.units)]
 
 
-def _landing(tier: Tier, slots: list[Slot]) -> memoryview | None:
+def _landing(tier: ViewableTier | None, slots: list[Slot]) -> memoryview | None:
     """New slots as one view to read into: they must be consecutive in a tier of memory."""
+    if tier is None:
+        return None
     first = slots[0]
     if any(sl.offset != first.offset + j for j, sl in enumerate(slots)):
         return None
@@ -68,8 +71,8 @@ class Mover:
     """Moves chunk bytes for one store.
 
     Args:
-        index: the store's books; the mover changes them under their lock.
-        placement: admission, demotion and promotion decisions.
+        index: the store's books; the mover changes them through its verbs.
+        events: where the mover announces what it stored, moved and failed.
         promote_on_hit: move chunks hit in a lower tier back to the top, in the background.
         background: how promotions are scheduled.
     """
@@ -77,7 +80,7 @@ class Mover:
     def __init__(
         self,
         index: StoreIndex,
-        placement: PlacementPolicy,
+        events: Events,
         *,
         promote_on_hit: bool,
         background: Background,
@@ -85,10 +88,11 @@ class Mover:
         self.index = index
         self.tiers = index.tiers
         self.slot_bytes = min(t.slot_bytes for t in self.tiers)
-        self.placement = placement
         self.promote_on_hit = promote_on_hit
-        self.listeners: list[Listener] = []
-        self.shared = [i for i, t in enumerate(self.tiers) if t.shared]
+        self.emit = events.emit
+        # The tiers with each capability, by position: asked once, here, by type.
+        self.shared = {i: t for i, t in enumerate(self.tiers) if isinstance(t, SharedTier)}
+        self.views = [t if isinstance(t, ViewableTier) else None for t in self.tiers]
         self._background = background
 
     # -- put -------------------------------------------------------------------------------
@@ -106,7 +110,7 @@ class Mover:
             self.index.unpin(held)
 
     def _put_pinned(self, keys: list[ChunkKey], view: Values, value_bytes: int) -> PutResult:
-        fresh = self.index.claim_new(keys)
+        fresh = self.index.prepare_store(keys)
         stored = failed = 0
         try:
             todo = fresh
@@ -114,9 +118,7 @@ class Mover:
                 if not todo:
                     break
                 todo_keys = [k for _, k in todo]
-                with self.index.lock:
-                    admitted = self.placement.admit(t, todo_keys, value_bytes)
-                if not admitted:
+                if not self.index.admit(t, todo_keys, value_bytes):
                     continue
                 # A run longer than the whole tier keeps its head here, the rest goes on down.
                 take = min(len(todo), self.tiers[t].capacity_slots)
@@ -138,7 +140,7 @@ class Mover:
                 todo = todo[take:]
             rejected = len(todo)
         finally:
-            self.index.finish_put(fresh, stored, failed)
+            self.index.complete_store(fresh, stored, failed)
         return PutResult(stored, len(keys) - len(fresh), rejected, failed)
 
     def _write_new(
@@ -178,10 +180,23 @@ class Mover:
                 continue
             written.extend(done)
             stored += n
-        self.index.add_written(t, written, value_bytes)
+        self.index.add_stored(t, written, value_bytes)
         if stored:
             self.emit(StoreEvent(EventKind.STORED, tier.name, stored, stored * value_bytes))
         return stored, failed
+
+    def complete_reserved(self, t: int, key: ChunkKey, slot_no: int, value_bytes: int) -> None:
+        """Index one chunk the caller wrote in place into slot ``slot_no`` of tier ``t``
+        (after :meth:`StoreIndex.prepare_store_one`), and count and announce its put."""
+        tier = self.tiers[t]
+        tier.note_written(value_bytes)
+        self.index.complete_store_one(t, key, slot_no, value_bytes)
+        self.emit(StoreEvent(EventKind.STORED, tier.name, 1, value_bytes))
+
+    def cancel_reserved(self, t: int, key: ChunkKey, slot_no: int) -> None:
+        """Give back a reserved slot that was not filled; its key stays absent."""
+        self.tiers[t].release(slot_no, 1)
+        self.index.cancel_store_one(key)
 
     # -- get -------------------------------------------------------------------------------
 
@@ -205,40 +220,34 @@ class Mover:
                 pos += run.nbytes
                 tiers.extend([self.tiers[t].name] * run.n)
                 lengths.extend([run.value_bytes] * run.n)
-        finally:
+        except BaseException:
             self.index.unread(slots)
-        self.count_hits(slots[:done], pos)
+            raise
+        self._promote_later(self.index.complete_load(slots, done, pos, promote=self.promote_on_hit))
         return GetResult(done, pos, tuple(lengths), tuple(tiers))
 
-    def count_hits(self, served: list[Slot], nbytes: int) -> None:
-        """A get's served chunks into the counters and the placement (hits, promotions)."""
-        with self.index.lock:  # every placement hook runs under the store's lock
-            by_tier = self.index.note_hits(served, nbytes)
-            for t, ks in by_tier.items():
-                self.placement.on_hit(t, ks)
-            promote = [
-                ks
-                for t, ks in by_tier.items()
-                if self.promote_on_hit and t > 0 and self.placement.should_promote(t, ks)
-            ]
-        for ks in promote:
+    def complete_hold(self, slot: Slot) -> None:
+        """End a hold of one slot whose value the caller read in place: count it as a
+        get served from its tier (hits, placement, promotion, tier reads)."""
+        promote = self.index.complete_load([slot], 1, slot.value_bytes, promote=self.promote_on_hit)
+        self._promote_later(promote)
+        self.tiers[slot.tier].count_read(slot.value_bytes)
+
+    def _promote_later(self, batches: list[list[ChunkKey]]) -> None:
+        for ks in batches:
             self._background(functools.partial(self._promote, ks))
 
     def _promote(self, keys: list[ChunkKey]) -> None:
         # Never more than half the top tier at once: a promotion must not flush the
         # whole working set of the top tier for one long sequence.
         limit = max(1, self.tiers[0].capacity_slots // 2)
-        with self.index.lock:
-            movable = self.index.claim_movers_locked(keys[:limit], lambda e: e.slot.tier > 0)
+        movable = self.index.prepare_move(keys[:limit], range(1, len(self.tiers)))
         if not movable:
             return
         if not self.make_room(0, len(movable)):
-            with self.index.lock:
-                self.index.release_movers_locked(movable)
+            self.index.cancel_move(movable)
             return
         moved = self._move(movable, 0, drop_on_failure=False)
-        with self.index.lock:
-            self.index.counts.promoted_chunks += moved
         if moved:
             self.emit(StoreEvent(EventKind.PROMOTED, self.tiers[0].name, moved, 0))
 
@@ -259,10 +268,9 @@ class Mover:
         out: list[Slot] = []
         rest = list(keys)
         room = max_bytes
-        for t in self.shared:
+        for t, tier in self.shared.items():
             if not rest:
                 break
-            tier = self.tiers[t]
             lengths: list[int] = []
             for length in list(tier.probe(rest))[: len(rest)]:
                 if not 0 < length <= min(tier.slot_bytes, self.slot_bytes):
@@ -294,33 +302,21 @@ class Mover:
         if n > tier.capacity_slots:
             return False
         for _ in range(_MAKE_ROOM_ROUNDS):
-            with self.index.lock:
-                deficit = n - tier.free_slots
-                if deficit <= 0:
-                    return True
-                victims = self.index.pick_victims_locked(t, deficit)
-                if len(victims) < deficit:
-                    # Not enough evictable chunks: change nothing (atomic eviction).
-                    self.index.release_movers_locked(victims)
-                    return False
-                target = self.placement.demote_target(t, len(self.tiers), [v.key for v in victims])
-                if target is None:
-                    self._drop_locked(t, victims)
-                    continue
-            if self.make_room(target, len(victims)):
-                moved = self._move(victims, target, drop_on_failure=True)
-                with self.index.lock:
-                    self.index.counts.demoted_chunks += moved
+            ev = self.index.prepare_eviction(t, n)
+            if ev is Room.FREE:
+                return True
+            if ev is Room.SHORT:
+                return False
+            if ev is Room.DROPPED:
+                continue
+            victims = list(ev.victims)
+            if self.make_room(ev.target, len(victims)):
+                moved = self._move(victims, ev.target, drop_on_failure=True)
                 if moved:
-                    self.emit(StoreEvent(EventKind.DEMOTED, self.tiers[target].name, moved, 0))
+                    self.emit(StoreEvent(EventKind.DEMOTED, self.tiers[ev.target].name, moved, 0))
             else:
-                with self.index.lock:
-                    self._drop_locked(t, victims)
+                self.index.drop_moves(t, victims)
         return tier.free_slots >= n
-
-    def _drop_locked(self, t: int, victims: list[Slot]) -> None:
-        dropped = self.index.drop_movers_locked(victims)
-        self.emit(StoreEvent(EventKind.DROPPED, self.tiers[t].name, dropped, 0))
 
     def persist(self, t: int, target: int, limit: int) -> int:
         """Move tier ``t``'s chunks down into persistent tier ``target`` (a clean close).
@@ -334,8 +330,7 @@ class Mover:
         if limit <= 0:
             return 0
         batch = max(1, _PERSIST_BATCH_BYTES // self.tiers[t].slot_bytes)
-        with self.index.lock:
-            keys = self.index.hottest_locked(t)[:limit]
+        keys = self.index.hottest(t)[:limit]
         keys.reverse()
         if keys:
             # Said before the move, which runs at disk speed: an operator whose service
@@ -349,26 +344,20 @@ class Mover:
             )
         moved = 0
         for lo in range(0, len(keys), batch):
-            with self.index.lock:
-                claimed = self.index.claim_movers_locked(
-                    keys[lo : lo + batch], lambda e: e.slot.tier == t
-                )
+            claimed = self.index.prepare_move(keys[lo : lo + batch], range(t, t + 1))
             if not claimed:
                 continue
             if not self.make_room(target, len(claimed)):
-                with self.index.lock:
-                    self.index.release_movers_locked(claimed)
+                self.index.cancel_move(claimed)
                 break
-            n = self._move(claimed, target, drop_on_failure=False)
-            with self.index.lock:
-                self.index.counts.demoted_chunks += n
-            moved += n
+            moved += self._move(claimed, target, drop_on_failure=False)
         if moved:
             self.emit(StoreEvent(EventKind.DEMOTED, self.tiers[target].name, moved, 0))
         return moved
 
     def _move(self, victims: list[Slot], target: int, *, drop_on_failure: bool) -> int:
-        """Copy claimed chunks into ``target`` (room already made) and repoint the index.
+        """Copy chunks claimed for a move into ``target`` (room already made), then
+        complete the move in the index.
 
         Returns how many moved. A chunk that fails to move is dropped when it is a
         victim that must leave its tier (``drop_on_failure``), and stays where it was
@@ -379,11 +368,10 @@ class Mover:
         dst_tier = self.tiers[target]
         extents = dst_tier.allocate(len(victims))
         if extents is None:
-            with self.index.lock:
-                if drop_on_failure:
-                    self._drop_locked(victims[0].tier, victims)
-                else:
-                    self.index.release_movers_locked(victims)
+            if drop_on_failure:
+                self.index.drop_moves(victims[0].tier, victims)
+            else:
+                self.index.cancel_move(victims)
             return 0
         offsets = _offsets(extents)
         new_slots = [Slot(v.key, target, offsets[i], v.value_bytes) for i, v in enumerate(victims)]
@@ -409,15 +397,7 @@ class Mover:
                 continue
             for i in idx:
                 written[i] = True
-        moved = 0
-        with self.index.lock, self.index.batched_frees_locked():
-            for i, old in enumerate(victims):
-                new = new_slots[i] if written[i] else None
-                if self.index.repoint_locked(old, new, drop=drop_on_failure):
-                    moved += 1
-                else:
-                    dst_tier.release(new_slots[i].offset, 1)
-        return moved
+        return self.index.complete_move(victims, new_slots, written, drop=drop_on_failure)
 
     def _gather(
         self, victims: list[Slot], new_slots: list[Slot], written: list[bool]
@@ -432,20 +412,21 @@ class Mover:
         the new slots where they are one run of a tier of plain memory (a promotion from
         nvme into the host tier). Anything else is read into one staging buffer.
         """
-        dst_tier = self.tiers[new_slots[0].tier]
+        dst_views = self.views[new_slots[0].tier]
         bufs: list[memoryview] = []
         where: list[tuple[int, int]] = [(-1, 0)] * len(victims)
         staged: list[tuple[int, int, SlotRun]] = []
         for first, t, run in runs_of(victims):
             src = self.tiers[t]
-            in_place = src.run_view(run)
+            src_views = self.views[t]
+            in_place = src_views.run_view(run) if src_views is not None else None
             if in_place is not None:
                 src.count_read(run.nbytes)
                 bufs.append(in_place)
                 for j in range(run.n):
                     where[first + j] = (len(bufs) - 1, j * run.value_bytes)
                 continue
-            landing = _landing(dst_tier, new_slots[first : first + run.n])
+            landing = _landing(dst_views, new_slots[first : first + run.n])
             if landing is None:
                 staged.append((first, t, run))
                 continue
@@ -454,7 +435,7 @@ class Mover:
             except TierError as exc:
                 self._read_failed(t, victims[first : first + run.n], exc)
                 continue
-            dst_tier.note_written(run.nbytes)
+            self.tiers[new_slots[0].tier].note_written(run.nbytes)
             for j in range(run.n):
                 written[first + j] = True
         if staged:
@@ -502,10 +483,3 @@ class Mover:
                 exc,
             )
         self.emit(StoreEvent(EventKind.TIER_ERROR, name, n, 0, f"{op}: {exc}"))
-
-    def emit(self, event: StoreEvent) -> None:
-        for listener in self.listeners:
-            try:
-                listener(event)
-            except Exception:  # a listener's bug must not break a store operation
-                log.exception("store listener failed on %s", event.kind.value)

@@ -44,10 +44,11 @@ import numpy.typing as npt
 
 from kvtier.errors import ClosedError, InputError, NotDurableError, TierError
 from kvtier.keys import ChunkKey, check_keys
+from kvtier.store.events import Events, Listener
 from kvtier.store.executor import INLINE, Executor, Finished, InlineExecutor, StealingExecutor
 from kvtier.store.handles import HeldValue, Reservation
 from kvtier.store.index import Slot, StoreIndex
-from kvtier.store.mover import Listener, Mover, Values
+from kvtier.store.mover import Mover, Values
 from kvtier.store.policy import EvictionFactory, LRUEviction, PlacementPolicy, WriteThrough
 from kvtier.store.types import (
     EventKind,
@@ -57,7 +58,7 @@ from kvtier.store.types import (
     StoreEvent,
     StoreStats,
 )
-from kvtier.tiers.base import Tier
+from kvtier.tiers.base import PersistentTier, SharedTier, Tier, ViewableTier
 
 Buffer = memoryview | bytes | bytearray | npt.NDArray[Any]
 T = TypeVar("T")
@@ -124,16 +125,16 @@ class TieredStore:
         if not tiers:
             raise InputError("a store needs at least one tier")
         self.tiers: tuple[Tier, ...] = tuple(tiers)
-        self._index = StoreIndex(self.tiers, eviction)
+        self.placement = placement or WriteThrough()
+        self._events = Events()
+        self._index = StoreIndex(self.tiers, eviction, self.placement, self._events.emit)
         self._mover = Mover(
             self._index,
-            placement or WriteThrough(),
+            self._events,
             promote_on_hit=promote_on_hit,
             background=self._background,
         )
-        self._index.emit = self._mover.emit
         self.slot_bytes = self._mover.slot_bytes
-        self.placement = self._mover.placement
         self.placement.bind(self._index)
         self.promote_on_hit = promote_on_hit
         self._pool: Executor = (
@@ -148,8 +149,13 @@ class TieredStore:
         self._drainers = 0
         self._closed = False
         self._index.recover()
-        # Tiers whose reads are plain memcpys (they give slot views): see get().
-        self._memory = [t.slot_view(0, 1) is not None for t in self.tiers]
+        # Tiers whose reads are plain memcpys (they give slot views), by position: see
+        # get(). slot_view(0, 1) asks whether this instance gives views at all.
+        self._views = [
+            t if isinstance(t, ViewableTier) and t.slot_view(0, 1) is not None else None
+            for t in self.tiers
+        ]
+        self._memory = [v is not None for v in self._views]
 
     # -- public API ----------------------------------------------------------------------
 
@@ -204,7 +210,7 @@ class TieredStore:
         caller's thread and never does I/O. Returns None, and changes nothing, when the
         chunk cannot be written this way; :meth:`put` then does it: the key is present
         or being put, the tier the placement admits it to offers no direct view
-        (:meth:`~kvtier.tiers.base.Tier.slot_view`: a medium behind I/O), or that tier
+        (:class:`~kvtier.tiers.base.ViewableTier`: not a medium behind I/O), or that tier
         has no free slot (making room may move chunks, which is I/O).
 
         Until :meth:`Reservation.commit` the chunk is not indexed: lookups miss it and a
@@ -219,18 +225,15 @@ class TieredStore:
         (key,) = check_keys([key])
         if not 0 < value_bytes <= self.slot_bytes:
             raise InputError(f"chunk of {value_bytes} B; the store takes 1..{self.slot_bytes} B")
-        if not self._index.claim_one(key):
+        if not self._index.prepare_store_one(key):
             return None
         with self._idle_lock:  # counted like a queued operation: drain() and close() wait for it
             self._inflight += 1
         try:
-            for t, tier in enumerate(self.tiers):
-                # slot_view(0, ...) only asks whether the tier gives views at all.
-                if tier.free_slots < 1 or tier.slot_view(0, value_bytes) is None:
+            for t, tier in enumerate(self._views):
+                if tier is None or tier.free_slots < 1:
                     break  # put() makes room, or writes through the tier
-                with self._index.lock:
-                    admitted = self.placement.admit(t, [key], value_bytes)
-                if not admitted:
+                if not self._index.admit(t, [key], value_bytes):
                     continue
                 extents = tier.allocate(1)
                 if extents is None:
@@ -240,12 +243,12 @@ class TieredStore:
                 if view is None:
                     tier.release(offset, 1)
                     break
-                return Reservation(self, key, t, offset, view)
+                return Reservation(self._mover, self._done, key, t, offset, view)
         except BaseException:
-            self._index.unclaim(key)
+            self._index.cancel_store_one(key)
             self._done(None)
             raise
-        self._index.unclaim(key)
+        self._index.cancel_store_one(key)
         self._done(None)
         return None
 
@@ -262,13 +265,7 @@ class TieredStore:
         if len(slots) < len(keys) and self._mover.shared:
             slots += self._mover.adopt(keys[len(slots) :])
         hits = len(slots)
-        with self._index.lock:
-            counts = self._index.counts
-            counts.lookups += 1
-            counts.lookup_hit_chunks += hits
-            counts.lookup_miss_chunks += len(keys) - hits
-            if hits < len(keys):
-                self.placement.on_miss(keys[hits:])
+        self._index.note_lookup(keys, hits)
         return LookupResult(
             hits,
             tuple(self.tiers[sl.tier].name for sl in slots),
@@ -293,7 +290,7 @@ class TieredStore:
         :meth:`lookup`. ``inline``: as for :meth:`put`.
 
         ``inline_memory_bytes``: read on the caller's thread anyway (a done future) when
-        the hit lies in tiers of plain memory (:meth:`~kvtier.tiers.base.Tier.slot_view`)
+        the hit lies in tiers of plain memory (:class:`~kvtier.tiers.base.ViewableTier`)
         and needs at most this many bytes, or is a miss with no shared tier to ask: a
         memcpy then costs less than the hand-off to an I/O thread and back (the daemon's
         event loop uses it; a tier behind I/O still never blocks the caller).
@@ -325,7 +322,7 @@ class TieredStore:
         keys, view, slots, need = self._hold_for(keys, dst)
         tail = len(slots) < len(keys) and self._mover.shared
         if tail or need > max_bytes or not all(self._memory[sl.tier] for sl in slots):
-            self._index.unhold(slots)
+            self._index.cancel_load(slots)
             return None
         # As an inline _submit, less the future (a Condition each) the caller never sees.
         with self._idle_lock:
@@ -351,19 +348,18 @@ class TieredStore:
         """
         self._check_open()
         (key,) = check_keys([key])
-        slots = self._index.hold_run([key])
-        sl = slots[0] if slots else None
-        view = (
-            self.tiers[sl.tier].slot_view(sl.offset, sl.value_bytes)
-            if sl is not None and sl.value_bytes <= max_bytes and self._memory[sl.tier]
-            else None
-        )
-        if sl is None or view is None:
-            self._index.unhold(slots)
+        slots = self._index.prepare_load([key])
+        view = None
+        if slots and slots[0].value_bytes <= max_bytes:
+            tier = self._views[slots[0].tier]
+            if tier is not None:
+                view = tier.slot_view(slots[0].offset, slots[0].value_bytes)
+        if view is None:
+            self._index.cancel_load(slots)
             return None
         with self._idle_lock:  # counted like a queued operation: drain() and close() wait for it
             self._inflight += 1
-        return HeldValue(self, sl, view)
+        return HeldValue(self._mover, self._done, slots[0], view)
 
     def _hold_for(
         self, keys: Sequence[ChunkKey], dst: Buffer
@@ -372,7 +368,7 @@ class TieredStore:
         self._check_open()
         checked = check_keys(keys)
         view = _as_bytes_view(dst, writable=True)
-        slots = self._index.hold_run(checked)
+        slots = self._index.prepare_load(checked)
         need = sum(sl.value_bytes for sl in slots)
         if need > view.nbytes:
             self._index.unread(slots)
@@ -397,21 +393,22 @@ class TieredStore:
         gone = self._index.remove(keys)
         removed = len(gone)
         if self._mover.shared:
-            # forget() leaves shared values alone (others may use them); delete must not.
+            # Evictions leave shared values alone (others may use them); delete must not.
             known = set(gone)
             elsewhere = [k for k in keys if k not in known]
             found_elsewhere = 0
-            for t in self._mover.shared:
+            for shared in self._mover.shared.values():
                 if gone:
-                    self.tiers[t].discard(gone)
+                    shared.discard(gone)
                 if elsewhere:
-                    found_elsewhere = max(found_elsewhere, self.tiers[t].discard(elsewhere))
+                    found_elsewhere = max(found_elsewhere, shared.discard(elsewhere))
             removed += found_elsewhere
-        with self._index.lock:
-            self._index.counts.deleted_chunks += removed
+        self._index.note_deleted(removed)
         if removed:
-            self._mover.emit(StoreEvent(EventKind.DELETED, "", removed, 0))
+            self._events.emit(StoreEvent(EventKind.DELETED, "", removed, 0))
         for i, tier in enumerate(self.tiers):
+            if not isinstance(tier, PersistentTier):
+                continue
             # Also when nothing was removed now: a retried delete learns whether the
             # first one's records have reached the disk since.
             try:
@@ -448,11 +445,11 @@ class TieredStore:
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener`` with every :class:`StoreEvent` (from I/O threads; keep it fast)."""
-        self._mover.listeners.append(listener)
+        self._events.add(listener)
 
     def stats(self) -> StoreStats:
         """A snapshot of the store's counters and each tier's stats. Thread-safe."""
-        return self._index.stats(self.placement)
+        return self._index.stats()
 
     def drain(self) -> None:
         """Wait until no operation is queued or running, background promotions included."""
@@ -508,7 +505,7 @@ class TieredStore:
         memory tier's content is). Returns how many chunks moved. Never raises for tier
         failures (a chunk that fails to move stays where it was).
         """
-        persistent = [i for i, t in enumerate(self.tiers) if t.persistent]
+        persistent = [i for i, t in enumerate(self.tiers) if isinstance(t, PersistentTier)]
         if not persistent:
             return 0
         self.drain()
@@ -516,7 +513,7 @@ class TieredStore:
         total = 0
         for t, tier in enumerate(self.tiers):
             below = [p for p in persistent if p > t]
-            if tier.persistent or tier.shared or not below:
+            if isinstance(tier, PersistentTier | SharedTier) or not below:
                 continue
             target = below[0]
             started = time.monotonic()

@@ -5,11 +5,21 @@ A tier owns a :class:`~kvtier.alloc.BuddyAllocator` over its capacity, in units 
 store decides what goes where; a tier only keeps bytes at offsets.
 
 Subclasses implement two methods, :meth:`Tier._write` and :meth:`Tier._read`. Optional
-hooks (:meth:`Tier.recover`, :meth:`Tier.flush`, :meth:`Tier.close`) are no-ops here.
+hooks (:meth:`Tier.flush`, :meth:`Tier.close`, :meth:`Tier.faults`) are no-ops here.
 
-A *shared* tier (``shared = True``, such as Redis) holds chunks that other processes and
-hosts also write. Its allocator then bounds what this process indexes, and the store asks
-:meth:`Tier.probe` about chunks missing from its own index, adopting the ones found.
+What a tier offers beyond that is a *capability*: a small ABC it also derives from,
+with the methods that capability needs, which the store and the registry ask for by
+type (``isinstance``), never by a flag or a tier's name:
+
+* :class:`ViewableTier`: its slots are plain memory, handed out as views to fill or
+  read in place (host and CXL memory);
+* :class:`PersistentTier`: its chunks survive a restart (nvme); the store recovers
+  them at start, tells it what it frees, and makes deletions durable through it;
+* :class:`SharedTier`: other processes and hosts write its medium too (Redis). Its
+  allocator then bounds what this process indexes, and the store asks it about chunks
+  missing from its own index, adopting the ones found.
+
+A tier that offers none of them (gpu, meta) is the base contract alone.
 """
 
 from __future__ import annotations
@@ -153,13 +163,6 @@ class Tier(ABC):
     """
 
     kind: str = "abstract"
-    emulated: bool = False
-    shared: bool = False
-    """True when other processes or hosts also write this tier's medium: the store then
-    asks :meth:`probe` about chunks its own index lacks."""
-    persistent: bool = False
-    """True when the tier's chunks survive a restart (:meth:`recover` returns them): a
-    clean close moves what only memory tiers hold into the first such tier below them."""
 
     def __init__(
         self,
@@ -235,11 +238,24 @@ class Tier(ABC):
         self.count_read(run.nbytes)
 
     def count_read(self, nbytes: int) -> None:
-        """Count one read of ``nbytes`` (also one made through :meth:`slot_view` or
-        :meth:`run_view`)."""
+        """Count one read of ``nbytes`` (also one made in place, through
+        :meth:`ViewableTier.slot_view` or :meth:`ViewableTier.run_view`)."""
         with self._stat_lock:
             self._bytes_read += nbytes
             self._read_ops += 1
+
+    @property
+    def emulated(self) -> bool:
+        """Whether the tier stands in for hardware this machine lacks (reported in its
+        stats and logs; nothing above the tier behaves differently). Default: False."""
+        return False
+
+    def note_written(self, nbytes: int) -> None:
+        """Count ``nbytes`` a caller wrote in place (:meth:`ViewableTier.slot_view`,
+        :meth:`ViewableTier.run_view`) as one write."""
+        with self._stat_lock:
+            self._bytes_written += nbytes
+            self._write_ops += 1
 
     def _check(self, run: SlotRun, buf: memoryview) -> None:
         if run.value_bytes > self.slot_bytes:
@@ -256,86 +272,6 @@ class Tier(ABC):
         """Load the packed values of ``run`` into ``dst`` (a flat, writable byte view)."""
 
     # -- optional hooks --------------------------------------------------------------------
-
-    def slot_view(self, offset: int, nbytes: int) -> memoryview | None:
-        """A writable view of the first ``nbytes`` of slot ``offset``, or None.
-
-        Lets a caller fill an allocated slot in place, with no staging copy (the store's
-        :meth:`~kvtier.store.store.TieredStore.reserve`: the daemon receives a request
-        body straight into it). Only tiers whose medium is plain memory at memcpy speed
-        offer one; a tier behind I/O, checksums or an emulated profile returns None and
-        is written through :meth:`write`. The caller then reports the bytes with
-        :meth:`note_written`. Default: None.
-        """
-        return None
-
-    def run_view(self, run: SlotRun) -> memoryview | None:
-        """The run's values, packed, as one writable view of the medium in place, or None.
-
-        For the store's mover, which moves chunks with no staging copy: one leaving a
-        tier of plain memory is written to its new tier straight from its slots (a full
-        host tier demotes every put's worth of chunks into nvme this way), and one
-        arriving in such a tier is read into its new slots (a promotion from nvme).
-        Offered where :meth:`slot_view` is and the slots' bytes are the packed values
-        (the values fill their slots, or the run is one chunk). The caller holds the
-        slots while it uses the view, and counts what it did with :meth:`count_read` or
-        :meth:`note_written`. Default: None.
-        """
-        return None
-
-    def note_written(self, nbytes: int) -> None:
-        """Count ``nbytes`` a caller wrote through :meth:`slot_view` or :meth:`run_view`
-        as one write."""
-        with self._stat_lock:
-            self._bytes_written += nbytes
-            self._write_ops += 1
-
-    def recover(self) -> Sequence[SlotRun]:
-        """Chunks that survived a restart (persistent tiers). Default: none.
-
-        Called once, by the store, before any other call. Returned runs are already
-        allocated in this tier's allocator.
-        """
-        return ()
-
-    def forget(self, run: SlotRun) -> None:  # noqa: B027 - optional hook
-        """Called before the store releases a run's slots (persistent tiers journal it)."""
-
-    def commit_forgets(self) -> None:  # noqa: B027 - optional hook
-        """Make the :meth:`forget` calls of a deletion durable, as the tier's durability
-        mode promises for writes (the store's ``delete`` calls it before answering).
-
-        Raises:
-            TierIOError: they could not be made durable (a full disk).
-
-        Default: nothing to do.
-        """
-
-    def bind(self, namespace: Namespace) -> None:  # noqa: B027 - optional hook
-        """The key namespace (model, KV spec, tenant) of the chunks this tier will hold.
-
-        Called by :func:`kvtier.factory.build_store` before any I/O. Shared tiers use it
-        to keep tenants and geometries apart in the shared medium. Default: ignored.
-        """
-
-    def probe(self, keys: Sequence[ChunkKey]) -> Sequence[int]:
-        """Shared tiers: value lengths (bytes) of the leading ``keys`` present in the medium.
-
-        In key order, stopping at the first absent key; the store adopts the chunks it
-        finds (claims a slot each) and reads them through :meth:`read`. Only called when
-        :attr:`shared` is True, with no store lock held; may block for the tier's own
-        budget, and never raises (a failure reads as absence). Default: nothing found.
-        """
-        return ()
-
-    def discard(self, keys: Sequence[ChunkKey]) -> int:
-        """Shared tiers: delete ``keys``' values from the medium (the store's ``delete``).
-
-        Returns how many were present. :meth:`forget` is not enough for a shared tier:
-        the store also forgets chunks it evicts or moves, which other processes may
-        still use. Never raises. Default: nothing to delete.
-        """
-        return 0
 
     def flush(self) -> None:  # noqa: B027 - optional hook
         """Make everything written so far durable. Default: nothing to do."""
@@ -379,3 +315,97 @@ class Tier(ABC):
                 io_errors=f.io_errors,
                 corrupt_chunks=f.corrupt_chunks,
             )
+
+
+# -- capabilities ------------------------------------------------------------------------------
+
+
+class ViewableTier(Tier):
+    """A tier whose slots are plain memory at memcpy speed, handed out as views in place.
+
+    The store fills a reserved slot through :meth:`slot_view` (the daemon receives a
+    request body straight into it), serves a hit from it with no copy, and moves chunks
+    from and into such slots with no staging copy (:meth:`run_view`). A caller that
+    writes or reads through a view counts it with :meth:`~Tier.note_written` or
+    :meth:`~Tier.count_read`, and holds the slots while it uses the view.
+
+    A view may still be refused (None): outside the tier, or where the instance must
+    route every transfer through :meth:`~Tier.write` and :meth:`~Tier.read` (an
+    emulated CXL tier injects its latency there). The store then writes through.
+    """
+
+    @abstractmethod
+    def slot_view(self, offset: int, nbytes: int) -> memoryview | None:
+        """A writable view of the first ``nbytes`` of slot ``offset``, or None."""
+
+    @abstractmethod
+    def run_view(self, run: SlotRun) -> memoryview | None:
+        """The run's values, packed, as one writable view of the medium in place, or None.
+
+        Offered where :meth:`slot_view` is and the slots' bytes are the packed values
+        (the values fill their slots, or the run is one chunk); None otherwise (slot
+        padding lies between short values).
+        """
+
+
+class PersistentTier(Tier):
+    """A tier whose chunks survive a restart.
+
+    The store indexes what :meth:`recover` returns at start, calls :meth:`forget` before
+    it frees slots, makes a deletion durable with :meth:`commit_forgets`, and on a clean
+    close moves what only memory tiers hold into the first persistent tier below them.
+    """
+
+    @abstractmethod
+    def recover(self) -> Sequence[SlotRun]:
+        """Chunks that survived a restart, already allocated in this tier's allocator.
+
+        Called once, by the store, before any other call.
+        """
+
+    @abstractmethod
+    def forget(self, run: SlotRun) -> None:
+        """The store is about to release the run's slots: they must not come back after
+        a restart (the tier journals it)."""
+
+    @abstractmethod
+    def commit_forgets(self) -> None:
+        """Make the :meth:`forget` calls of a deletion durable, as the tier's durability
+        mode promises for writes (the store's ``delete`` calls it before answering).
+
+        Raises:
+            TierIOError: they could not be made durable (a full disk).
+        """
+
+
+class SharedTier(Tier):
+    """A tier whose medium other processes and hosts also write (Redis).
+
+    Its allocator bounds what this process indexes, not the medium. The store asks
+    :meth:`probe` about chunks its own index lacks and adopts those found (claims a slot
+    each, reads them through :meth:`~Tier.read`); it evicts or moves chunks out of the
+    tier without touching the medium (others may use them), and deletes from the medium
+    only through :meth:`discard`.
+    """
+
+    @abstractmethod
+    def bind(self, namespace: Namespace) -> None:
+        """The key namespace (model, KV spec, tenant) of the chunks this tier will hold.
+
+        Called by :func:`kvtier.factory.build_store` before any I/O, so tenants and
+        geometries stay apart in the shared medium.
+        """
+
+    @abstractmethod
+    def probe(self, keys: Sequence[ChunkKey]) -> Sequence[int]:
+        """Value lengths (bytes) of the leading ``keys`` present in the medium.
+
+        In key order, stopping at the first absent key. Called with no store lock held;
+        may block for the tier's own budget, and never raises (a failure reads as
+        absence).
+        """
+
+    @abstractmethod
+    def discard(self, keys: Sequence[ChunkKey]) -> int:
+        """Delete ``keys``' values from the medium (the store's ``delete``); returns how
+        many were present. Never raises."""

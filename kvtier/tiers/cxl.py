@@ -60,11 +60,11 @@ class CXLTier(HostTier):
                 "off",
                 "'auto' or 'on': no CPU-less NUMA node here",
             )
-        self.emulated = options.emulate is Switch.ON or node is None
+        self._emulated = options.emulate is Switch.ON or node is None
         self._latency_s = options.latency_us * 1e-6
         self._bandwidth_Bps = options.bandwidth_gbps * 1e9
         profile = TierProfile(self._latency_s, self._bandwidth_Bps, cost_per_gb_month=1.6)
-        host_opts = HostOptions(numa_node=None if self.emulated else node, pin=options.pin)
+        host_opts = HostOptions(numa_node=None if self._emulated else node, pin=options.pin)
         super().__init__(geometry, host_opts, profile)
         if self.emulated:
             log.warning(
@@ -75,6 +75,11 @@ class CXLTier(HostTier):
             )
         else:
             log.info("tier %s: CXL memory on NUMA node %s", geometry.name, node)
+
+    @property
+    @override
+    def emulated(self) -> bool:
+        return self._emulated
 
     def _throttle(self, nbytes: int, started: float) -> None:
         if self.emulated:

@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from kvtier.enums import Switch
 from kvtier.errors import ConfigError
-from kvtier.tiers.base import SlotRun, Tier, TierGeometry, TierProfile, TierSection
+from kvtier.tiers.base import SlotRun, TierGeometry, TierProfile, TierSection, ViewableTier
 from kvtier.tiers.memory import SharedArena
 
 try:
@@ -160,7 +160,7 @@ def copy_out(
         packed[:] = slots
 
 
-class HostTier(Tier):
+class HostTier(ViewableTier):
     """Pinned, shared host DRAM. Copies are numpy memcpys that release the GIL."""
 
     kind = "host"

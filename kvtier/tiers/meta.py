@@ -40,7 +40,11 @@ class MetaTier(Tier):
     """A tier that keeps books but no bytes (simulation only)."""
 
     kind = "meta"
-    emulated = True
+
+    @property
+    @override
+    def emulated(self) -> bool:
+        return True
 
     @override
     def _write(self, run: SlotRun, src: memoryview) -> None:

@@ -13,7 +13,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
 from kvtier import plugins
-from kvtier.tiers.base import TierGeometry
+from kvtier.tiers.base import SharedTier, TierGeometry
 
 if TYPE_CHECKING:
     from kvtier.tiers.base import Tier, TierSection
@@ -32,10 +32,11 @@ def tier_options_class(kind: str, where: str = "tiers") -> type[Any]:
 
 
 def is_shared_kind(kind: str) -> bool:
-    """Whether tiers of this kind are shared with other processes and hosts (Redis)."""
+    """Whether tiers of this kind are shared with other processes and hosts (Redis): the
+    kind's module defines a :class:`~kvtier.tiers.base.SharedTier`."""
     module = _module(kind, "tiers")
     return any(
-        getattr(obj, "shared", False) is True
+        issubclass(obj, SharedTier)
         for obj in vars(module).values()
         if isinstance(obj, type) and obj.__module__.startswith(module.__name__)
     )

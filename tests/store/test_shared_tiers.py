@@ -1,7 +1,7 @@
 """The store over *shared* tiers: chunks another process stored are found and adopted.
 
 Two kinds of shared medium: a small dict-backed tier defined here (the store knows no
-tier by name, so any ``shared = True`` tier behaves alike; runs without Redis), and the
+tier by name, so any :class:`SharedTier` behaves alike; runs without Redis), and the
 real ``redis`` tier on a real redis-server (two stores stand in for two processes;
 tests/integration has the cross-process version).
 """
@@ -16,9 +16,9 @@ import pytest
 from typing_extensions import override
 
 from kvtier.config import Switch
-from kvtier.keys import ChunkKey
+from kvtier.keys import ChunkKey, Namespace
 from kvtier.store import TieredStore
-from kvtier.tiers.base import SlotRun, Tier, TierGeometry
+from kvtier.tiers.base import SharedTier, SlotRun, TierGeometry
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.host import Options as HostOptions
 from tests.redis_servers import RedisServer
@@ -34,11 +34,10 @@ def rand(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size=n, dtype=np.uint8)
 
 
-class DictShared(Tier):
+class DictShared(SharedTier):
     """A shared medium in a dict that several tier instances (stores) see."""
 
     kind = "dict-shared"
-    shared = True
 
     def __init__(self, medium: dict[bytes, bytes], capacity_slots: int) -> None:
         super().__init__(TierGeometry("shared", capacity_slots * SLOT, SLOT, 1 << 30))
@@ -58,6 +57,10 @@ class DictShared(Tier):
             if v is None or len(v) != run.value_bytes:
                 raise TierIOError(f"{k.hex()} gone")
             dst[j * run.value_bytes : (j + 1) * run.value_bytes] = v
+
+    @override
+    def bind(self, namespace: Namespace) -> None:
+        pass  # one test, one namespace
 
     @override
     def probe(self, keys: Sequence[ChunkKey]) -> tuple[int, ...]:

@@ -6,8 +6,10 @@ that names a project module is an edge. ``from pkg import name`` is an edge to
 ``pkg.name`` where that is a module, else to ``pkg``'s ``__init__``. Importing
 ``a.b.c`` is an edge to ``a.b.c`` only: a package's ``__init__`` re-exporting a
 submodule that imports a sibling is no circle. Imports under ``if TYPE_CHECKING:``
-never run, so they are left out. A function-level import that dodges a circle at
-start-up is still a circle here: that is the point.
+never run, so the graph leaves them out, except where one test asks for them: a circle
+that only the type checker follows is still two modules that need each other. A
+function-level import that dodges a circle at start-up is still a circle here: that
+is the point.
 """
 
 from __future__ import annotations
@@ -43,15 +45,18 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports(tree: ast.AST, *, in_functions: bool) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Import statements outside ``if TYPE_CHECKING:`` blocks: at any depth, or (without
-    ``in_functions``) only those that run when the module is imported."""
+def _imports(
+    tree: ast.AST, *, in_functions: bool, type_only: bool = False
+) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Import statements outside ``if TYPE_CHECKING:`` blocks (inside them too with
+    ``type_only``): at any depth, or (without ``in_functions``) only those that run when
+    the module is imported."""
     stack: list[ast.AST] = [tree]
     while stack:
         node = stack.pop()
         if isinstance(node, ast.Import | ast.ImportFrom):
             yield node
-        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+        elif isinstance(node, ast.If) and _is_type_checking(node.test) and not type_only:
             stack.extend(node.orelse)
             continue
         elif not in_functions and isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -60,12 +65,17 @@ def _imports(tree: ast.AST, *, in_functions: bool) -> Iterator[ast.Import | ast.
 
 
 def _edges(
-    name: str, path: Path, modules: dict[str, Path], *, in_functions: bool = True
+    name: str,
+    path: Path,
+    modules: dict[str, Path],
+    *,
+    in_functions: bool = True,
+    type_only: bool = False,
 ) -> set[str]:
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
     tree = ast.parse(path.read_text(), str(path))
-    for node in _imports(tree, in_functions=in_functions):
+    for node in _imports(tree, in_functions=in_functions, type_only=type_only):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name in modules)
             continue
@@ -84,12 +94,13 @@ def _edges(
     return out
 
 
-def graph(root: Path, *, in_functions: bool = True) -> dict[str, set[str]]:
+def graph(root: Path, *, in_functions: bool = True, type_only: bool = False) -> dict[str, set[str]]:
     """Each project module's imports of project modules (without ``in_functions``: only
-    those that run when it is imported)."""
+    those that run when it is imported; with ``type_only``: also those for the type
+    checker alone)."""
     modules = _modules(root)
     return {
-        name: _edges(name, path, modules, in_functions=in_functions)
+        name: _edges(name, path, modules, in_functions=in_functions, type_only=type_only)
         for name, path in modules.items()
     }
 
@@ -142,6 +153,16 @@ def test_no_import_circles() -> None:
     assert not found, "import circles:\n" + "\n".join(_describe(c, g) for c in found)
 
 
+def test_no_import_circles_through_type_only_imports() -> None:
+    """An import under ``if TYPE_CHECKING:`` never runs, but the two modules still
+    depend on each other: a design circle, however the interpreter is spared it."""
+    g = graph(ROOT, type_only=True)
+    found = cycles(g)
+    assert not found, "import circles through type-only imports:\n" + "\n".join(
+        _describe(c, g) for c in found
+    )
+
+
 def test_the_core_imports_no_wing_at_module_level() -> None:
     """docs/architecture.md: the wings (policies, connectors, service, bench) import the
     core; the core reaches a wing only inside a function, on first use."""
@@ -176,3 +197,4 @@ def test_the_checker_sees_a_circle_dodged_inside_a_function(tmp_path: Path) -> N
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import x\n"
     )
     assert cycles(graph(tmp_path)) == []
+    assert cycles(graph(tmp_path, type_only=True)) == [["kvtier.bench.a", "kvtier.bench.b"]]

@@ -53,7 +53,7 @@ from kvtier import codec as kvcodec
 from kvtier.enums import Switch
 from kvtier.errors import ClosedError, ConfigError, CorruptChunkError, TierIOError
 from kvtier.files import DIR_MODE, FILE_MODE, make_private, make_private_dirs
-from kvtier.tiers.base import SlotRun, Tier, TierFaults, TierGeometry, TierProfile
+from kvtier.tiers.base import PersistentTier, SlotRun, TierFaults, TierGeometry, TierProfile
 from kvtier.tiers.nvme.engine import PAGE, BufferPool, IOEngine, IORequest, is_aligned, make_engine
 from kvtier.tiers.nvme.journal import Durability, Entry, Geometry, Journal, Op
 from kvtier.tiers.nvme.options import Codec, EngineKind, Options
@@ -132,7 +132,7 @@ def _dirs(name: str, opts: Options) -> list[Path]:
     return out
 
 
-class NVMeTier(Tier):
+class NVMeTier(PersistentTier):
     """Slab files on NVMe (or any filesystem), with a journal that survives crashes.
 
     Args:
@@ -145,7 +145,6 @@ class NVMeTier(Tier):
     """
 
     kind = "nvme"
-    persistent = True
 
     def __init__(
         self,

@@ -6,10 +6,10 @@ geometries never collide and an operator can find one namespace with ``SCAN MATC
 
 The tier keeps the core's slot contract: its allocator is a *logical* bound on how many
 chunks this process indexes in Redis, and values are addressed by chunk key, not by
-slot. Redis is shared, so the tier is ``shared = True``: the store asks :meth:`probe`
-about chunks its own index lacks (another process may have stored them) and adopts the
-ones found. Because the medium is shared, :meth:`forget` (the store evicting or moving a
-chunk out of this tier) leaves the value in Redis for the others; Redis' own
+slot. Redis is shared, so the tier is a :class:`~kvtier.tiers.base.SharedTier`: the
+store asks :meth:`probe` about chunks its own index lacks (another process may have
+stored them) and adopts the ones found. Because the medium is shared, the store evicting
+or moving a chunk out of this tier leaves the value in Redis for the others; Redis' own
 ``maxmemory`` policy and the optional TTL reclaim it. Only :meth:`discard` (the store's
 ``delete``) removes values.
 
@@ -30,7 +30,14 @@ from typing_extensions import override
 from kvtier import codec as kvcodec
 from kvtier.errors import CorruptChunkError, TierIOError
 from kvtier.keys import ChunkKey, Namespace
-from kvtier.tiers.base import SlotRun, Tier, TierFaults, TierGeometry, TierProfile, TierSection
+from kvtier.tiers.base import (
+    SharedTier,
+    SlotRun,
+    TierFaults,
+    TierGeometry,
+    TierProfile,
+    TierSection,
+)
 from kvtier.tiers.redis import wire
 from kvtier.tiers.redis.nodes import NodeHealth, Nodes, Op
 from kvtier.tiers.redis.options import Options
@@ -51,7 +58,7 @@ class _R(enum.Enum):
 REDIS_PROFILE = TierProfile(latency_s=250e-6, bandwidth_Bps=1.2e9, cost_per_gb_month=10.0)
 
 
-class RedisTier(Tier):
+class RedisTier(SharedTier):
     """Chunks in Redis, one value each; shared by every process that uses the same Redis.
 
     Thread-safety: every method may be called from any thread; per-node parts of a batch
@@ -65,7 +72,6 @@ class RedisTier(Tier):
     """
 
     kind = "redis"
-    shared = True
 
     def __init__(
         self,
