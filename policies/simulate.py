@@ -31,11 +31,12 @@ from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
 from kvtier.store.policy import EvictionFactory, PlacementPolicy, WriteThrough, eviction_factory
 from kvtier.tiers.base import TierGeometry
+from kvtier.tiers.economics import SECONDS_PER_MONTH, Medium, TierSpec
 from kvtier.tiers.meta import MetaTier
 
 from .eviction import CostAwareEviction
 from .placement import CostAwarePlacement, Economics, PlacementStats
-from .profiles import SECONDS_PER_MONTH, Hardware, Medium, TierSpec
+from .profiles import Hardware
 from .recompute import ModelCompute, Recompute
 from .reuse import ReuseStats
 from .trace import Trace

@@ -22,10 +22,11 @@ from kvtier.config import PlacementConfig
 from kvtier.errors import ConfigError, SpecError
 from kvtier.spec import KVSpec
 from kvtier.tiers.base import Tier
+from kvtier.tiers.economics import Medium, TierSpec
 
 from .budget import WriteBudget
 from .placement import CostAwarePlacement, Economics
-from .profiles import GPUSpec, Medium, TierSpec, load_hardware
+from .profiles import GPUSpec, load_hardware
 from .recompute import COMPUTE_PRESETS, ModelCompute, Recompute, model_compute
 
 
