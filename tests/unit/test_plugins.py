@@ -143,3 +143,64 @@ def test_the_project_declares_no_entry_points_for_its_own_builtins() -> None:
 def test_an_unknown_name_lists_what_exists() -> None:
     with pytest.raises(ConfigError, match=r"store.eviction.*'lru'"):
         eviction_factory("nope")
+
+
+@pytest.mark.parametrize(
+    ("imported", "placement"),
+    [
+        ("kvtier.factory", "keep"),  # the core alone
+        ("kvtier.cli.main", "keep"),  # the CLI composes when it runs, not when imported
+        ("kvtier.connectors.vllm", "cost"),  # an engine loads it by name
+        ("kvtier.connectors.lmcache.settings", "cost"),
+        ("kvtier.service.app", "cost"),  # a program embeds create_app
+        ("kvtier.bench", "cost"),  # python -m kvtier.bench.NAME
+    ],
+)
+def test_the_parts_that_run_without_the_cli_compose_the_policies_in(
+    imported: str, placement: str
+) -> None:
+    probe = (
+        f"import {imported}\n"
+        "from kvtier.config import load_config\n"
+        "from kvtier.store.policy import eviction_factory\n"
+        "cfg = load_config(env={})\n"
+        "arc = 'keep' if cfg.store.placement == 'keep' else eviction_factory('arc').__name__\n"
+        "print(cfg.store.placement, arc)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = "keep keep" if placement == "keep" else "cost ARCEviction"
+    assert proc.stdout.split() == expected.split()
+
+
+CLI_PROBE = """
+import sys
+from typer.testing import CliRunner
+from kvtier.cli import main
+from kvtier.config import load_config
+
+@main.app.command("probe")
+def probe() -> None:
+    print(load_config(env={}).store.placement)
+
+if sys.argv[1] == "main":
+    sys.argv = ["kvtier", "probe"]
+    main.main()  # the console script
+else:
+    print(CliRunner().invoke(main.app, ["probe"]).output)  # the app alone, as tests call it
+"""
+
+
+@pytest.mark.parametrize("entry", ["main", "app"])
+def test_the_cli_composes_before_a_command_runs(entry: str, tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", CLI_PROBE, entry],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["cost"]
