@@ -6,12 +6,19 @@ the command, the machine, the versions, the ratios and the raw figures. Rows tha
 an optional package (torch, redis, vLLM, LMCache, aiofiles, lz4) are skipped with a
 printed reason where it is missing (:func:`kvtier.bench.common.optional` and
 :func:`~kvtier.bench.common.missing`), and the program exits 0.
+
+``python -m kvtier.bench.NAME`` runs without kvtier's CLI: importing the package composes
+``kvtier.policies`` in, so the stores a benchmark builds are the ones users run.
 """
 
 from __future__ import annotations
 
 import pkgutil
 from pathlib import Path
+
+from kvtier.policies import compose
+
+compose()
 
 # Modules that serve the benchmarks and are not benchmarks themselves.
 HELPERS = frozenset({"common", "redis_procs", "tiny_llama"})

@@ -32,6 +32,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TypeVar
 
+from kvtier import plugins
 from kvtier.enums import Switch as Switch  # re-exported: configs name it with their options
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import TierSection
@@ -76,8 +77,11 @@ class StoreConfig:
     eviction: str = "lru"
     # What is admitted and where victims go: "keep" (write everything, demote tier by
     # tier: the peers' write-through) or "cost" (kvtier.policies' latency-cost model with
-    # an SSD write budget; see docs/cost-model.md).
-    placement: str = "cost"
+    # an SSD write budget; see docs/cost-model.md). Unset: the default of the program
+    # that runs the store (kvtier.plugins.default): "cost" wherever kvtier.policies is
+    # composed in (the kvtier CLI and daemon, the engine connectors), "keep" for a program
+    # that uses the core alone.
+    placement: str = field(default_factory=lambda: plugins.default(plugins.PLACEMENT))
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import InputError
+from kvtier.tiers.economics import Medium
 
-from .profiles import Hardware, Medium
+from .profiles import Hardware
 from .recompute import ModelCompute, Recompute
 from .seed import check_seed, seed_cost_per_gb_month
 from .simulate import SimConfig, SimResult, chunk_recompute_s, simulate

@@ -26,7 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .profiles import DDR5_HOST, H200, NVME_GEN5_TLC
+from kvtier.tiers.economics import DDR5_HOST, NVME_GEN5_TLC
+
+from .profiles import H200
 
 SIZES = (64 << 10, 256 << 10, 2 << 20, 16 << 20)
 PIECE = 16 << 20

@@ -46,9 +46,9 @@ from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
 from kvtier.store.policy import PlacementPolicy, TierView
 from kvtier.store.types import PolicyCount
+from kvtier.tiers.economics import TierSpec
 
 from .budget import WriteBudget
-from .profiles import TierSpec
 from .reuse import ReuseTracker
 
 MIN_FILL = 1e-3

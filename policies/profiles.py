@@ -1,10 +1,10 @@
-"""Tier and GPU profiles, the presets the calculator offers, and their TOML form.
+"""GPU profiles, the hardware presets the calculator offers, and their TOML form.
 
-A :class:`TierSpec` is what placement and the calculator need to price one storage
-level: latency, bandwidth as a function of transfer size, $/GB-month, endurance and
-power. A :class:`Hardware` bundles the GPU (for recompute time and $/GPU-second) with
-an ordered stack of tiers, fastest first. Every preset number is sourced or stated as
-an assumption in ``docs/cost-model.md``.
+A :class:`Hardware` bundles the GPU (for recompute time and $/GPU-second) with an
+ordered stack of tiers, fastest first. The tiers' prices and speeds come from the one
+table of tier economics in the core, :mod:`kvtier.tiers.economics` (re-exported here),
+which the live tiers use too. Every preset number is sourced or stated as an assumption
+in ``docs/cost-model.md``.
 
 Units: seconds, bytes, bytes/second, dollars. Nothing here does I/O except
 :func:`load_hardware`, which reads a TOML file.
@@ -12,127 +12,39 @@ Units: seconds, bytes, bytes/second, dollars. Nothing here does I/O except
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from kvtier.config import read_toml, tier_tables
 from kvtier.errors import ConfigError
-from kvtier.tiers.base import TierProfile
-from kvtier.units import KiB
+from kvtier.tiers.economics import (
+    CXL2_EXPANDER,
+    DDR5_HOST,
+    NVME_GEN5_QLC,
+    NVME_GEN5_TLC,
+    REDIS_100GBE,
+    TIER_PRESETS,
+    Medium,
+    TierSpec,
+)
 
-GB = 1e9
-SECONDS_PER_MONTH = 30 * 86400.0
-SECONDS_PER_DAY = 86400.0
-
-
-class Medium(enum.Enum):
-    """What a tier is made of; decides whether writes wear it out."""
-
-    DRAM = "dram"
-    CXL = "cxl"
-    SSD = "ssd"
-    REMOTE = "remote"
-
-
-@dataclass(frozen=True, slots=True)
-class TierSpec:
-    """Economics and speed of one storage level.
-
-    Attributes:
-        name: tier name (matches the store's tier name in a simulation).
-        medium: what it is made of.
-        latency_s: median time to first byte of a read (includes DMA/IO setup).
-        p99_latency_s: 99th-percentile access latency (the seed matrix checks it).
-        bandwidth_Bps: peak sustained bytes/second of large transfers to the GPU.
-        half_bandwidth_bytes: transfer size at which half of ``bandwidth_Bps`` is reached;
-            effective bandwidth is ``peak * n / (n + half)``.
-        cost_per_gb_month: $ per GB (1e9 bytes) per month, capex amortised plus power.
-        endurance_dwpd: rated drive writes per day; 0 means no wear limit.
-        warranty_years: years over which ``endurance_dwpd`` is rated.
-        device_bytes: capacity of one device (for power and the seed formula).
-        power_w: power of one device, watts.
-        write_headroom: fraction of the rated endurance that admission may spend.
-    """
-
-    name: str
-    medium: Medium
-    latency_s: float
-    p99_latency_s: float
-    bandwidth_Bps: float
-    half_bandwidth_bytes: float
-    cost_per_gb_month: float
-    endurance_dwpd: float = 0.0
-    warranty_years: float = 5.0
-    device_bytes: float = 0.0
-    power_w: float = 0.0
-    write_headroom: float = 0.8
-
-    def __post_init__(self) -> None:
-        for f in (
-            "latency_s",
-            "p99_latency_s",
-            "half_bandwidth_bytes",
-            "cost_per_gb_month",
-            "endurance_dwpd",
-            "device_bytes",
-            "power_w",
-        ):
-            if getattr(self, f) < 0:
-                raise ConfigError(f"tiers.{self.name}.{f}", getattr(self, f), "a number >= 0")
-        if self.bandwidth_Bps <= 0:
-            raise ConfigError(f"tiers.{self.name}.bandwidth_Bps", self.bandwidth_Bps, "> 0")
-        if not 0 < self.write_headroom <= 1:
-            raise ConfigError(f"tiers.{self.name}.write_headroom", self.write_headroom, "in (0, 1]")
-        if self.warranty_years <= 0:
-            raise ConfigError(f"tiers.{self.name}.warranty_years", self.warranty_years, "> 0")
-
-    @property
-    def wears(self) -> bool:
-        """True when writes consume a rated endurance."""
-        return self.endurance_dwpd > 0
-
-    def bandwidth_at(self, transfer_bytes: float) -> float:
-        """Effective bytes/second of one transfer of ``transfer_bytes``."""
-        n = max(transfer_bytes, 1.0)
-        return self.bandwidth_Bps * n / (n + self.half_bandwidth_bytes)
-
-    def load_time_s(self, nbytes: float, transfers: int = 1) -> float:
-        """Seconds to move ``nbytes`` to the GPU in ``transfers`` equal transfers, serially."""
-        if nbytes <= 0:
-            return 0.0
-        per = nbytes / max(transfers, 1)
-        return transfers * self.latency_s + nbytes / self.bandwidth_at(per)
-
-    def write_budget_Bps(self, capacity_bytes: float) -> float:
-        """Bytes/second admission may write: DWPD x capacity x headroom / day. inf if no wear."""
-        if not self.wears:
-            return float("inf")
-        return self.endurance_dwpd * capacity_bytes * self.write_headroom / SECONDS_PER_DAY
-
-    def tbw_bytes(self, capacity_bytes: float) -> float:
-        """Total bytes the capacity may be written over the warranty (inf if no wear)."""
-        if not self.wears:
-            return float("inf")
-        return self.endurance_dwpd * capacity_bytes * 365.0 * self.warranty_years
-
-    def wear_cost_per_byte(self) -> float:
-        """$ of endurance one written byte consumes: the medium's price over its TBW."""
-        if not self.wears:
-            return 0.0
-        price_per_byte = self.cost_per_gb_month / GB * 12 * self.warranty_years
-        return price_per_byte / (self.endurance_dwpd * 365.0 * self.warranty_years)
-
-    def storage_cost_per_byte_s(self) -> float:
-        """$ per byte per second of holding data."""
-        return self.cost_per_gb_month / GB / SECONDS_PER_MONTH
-
-    def to_tier_profile(self) -> TierProfile:
-        """The core's :class:`TierProfile` for a simulated tier of this spec."""
-        return TierProfile(
-            self.latency_s, self.bandwidth_Bps, self.cost_per_gb_month, self.endurance_dwpd
-        )
+__all__ = [
+    "CXL2_EXPANDER",
+    "DDR5_HOST",
+    "H200",
+    "HARDWARE_PRESETS",
+    "NVME_GEN5_QLC",
+    "NVME_GEN5_TLC",
+    "REDIS_100GBE",
+    "TIER_PRESETS",
+    "GPUSpec",
+    "Hardware",
+    "Medium",
+    "TierSpec",
+    "hardware_preset",
+    "load_hardware",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,74 +94,6 @@ class Hardware:
 # -- presets (sources and assumptions: docs/cost-model.md) ----------------------------------
 
 H200 = GPUSpec("H200 SXM", peak_flops=989e12, mfu=0.5, cost_per_hour=3.5)
-
-DDR5_HOST = TierSpec(
-    "host",
-    Medium.DRAM,
-    latency_s=10e-6,
-    p99_latency_s=20e-6,
-    bandwidth_Bps=55e9,
-    half_bandwidth_bytes=128 * KiB,
-    cost_per_gb_month=0.20,
-    device_bytes=64e9,
-    power_w=6.0,
-)
-CXL2_EXPANDER = TierSpec(
-    "cxl",
-    Medium.CXL,
-    latency_s=12e-6,
-    p99_latency_s=22e-6,
-    bandwidth_Bps=64e9,
-    half_bandwidth_bytes=128 * KiB,
-    cost_per_gb_month=0.15,
-    device_bytes=256e9,
-    power_w=25.0,
-)
-NVME_GEN5_TLC = TierSpec(
-    "nvme",
-    Medium.SSD,
-    latency_s=80e-6,
-    p99_latency_s=250e-6,
-    bandwidth_Bps=14e9,
-    half_bandwidth_bytes=1024 * KiB,
-    cost_per_gb_month=0.0025,
-    endurance_dwpd=1.0,
-    warranty_years=5.0,
-    device_bytes=7.68e12,
-    power_w=25.0,
-)
-NVME_GEN5_QLC = TierSpec(
-    "nvme",
-    Medium.SSD,
-    latency_s=120e-6,
-    p99_latency_s=500e-6,
-    bandwidth_Bps=12e9,
-    half_bandwidth_bytes=2048 * KiB,
-    cost_per_gb_month=0.0012,
-    endurance_dwpd=0.3,
-    warranty_years=5.0,
-    device_bytes=61.44e12,
-    power_w=25.0,
-)
-REDIS_100GBE = TierSpec(
-    "redis",
-    Medium.REMOTE,
-    latency_s=60e-6,
-    p99_latency_s=300e-6,
-    bandwidth_Bps=10e9,
-    half_bandwidth_bytes=512 * KiB,
-    cost_per_gb_month=0.35,
-    device_bytes=512e9,
-    power_w=400.0,
-)
-
-TIER_PRESETS: dict[str, TierSpec] = {
-    "ddr5": DDR5_HOST,
-    "cxl2": CXL2_EXPANDER,
-    "nvme-tlc": NVME_GEN5_TLC,
-    "nvme-qlc": NVME_GEN5_QLC,
-    "redis-100gbe": REDIS_100GBE,
-}
 
 HARDWARE_PRESETS: dict[str, Hardware] = {
     "h200-dram-nvme": Hardware("h200-dram-nvme", H200, (DDR5_HOST, NVME_GEN5_TLC)),

@@ -31,11 +31,12 @@ from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
 from kvtier.store.policy import EvictionFactory, PlacementPolicy, WriteThrough, eviction_factory
 from kvtier.tiers.base import TierGeometry
+from kvtier.tiers.economics import SECONDS_PER_MONTH, Medium, TierSpec
 from kvtier.tiers.meta import MetaTier
 
-from .eviction import CostAwareEviction
+from .eviction import ARCEviction, CostAwareEviction
 from .placement import CostAwarePlacement, Economics, PlacementStats
-from .profiles import SECONDS_PER_MONTH, Hardware, Medium, TierSpec
+from .profiles import Hardware
 from .recompute import ModelCompute, Recompute
 from .reuse import ReuseStats
 from .trace import Trace
@@ -222,9 +223,15 @@ def make_policies(
         )
         if cfg.eviction == "cost":
             return placement, cost_eviction(placement)
-        return placement, eviction_factory(cfg.eviction)
+        return placement, _eviction(cfg.eviction)
     name = "arc" if cfg.policy.startswith("arc") else "lru"
-    return WriteThrough(), eviction_factory(name)
+    return WriteThrough(), _eviction(name)
+
+
+def _eviction(name: str) -> EvictionFactory:
+    # The simulator's own orders need no composed names (a caller of simulate() need not
+    # have called kvtier.policies.compose); any other name resolves as a store's would.
+    return ARCEviction if name == "arc" else eviction_factory(name)
 
 
 def simulate(cfg: SimConfig, trace: Trace) -> SimResult:

@@ -22,16 +22,24 @@ from kvtier.config import PlacementConfig
 from kvtier.errors import ConfigError, SpecError
 from kvtier.spec import KVSpec
 from kvtier.tiers.base import Tier
+from kvtier.tiers.economics import TIER_PRESETS, Medium, TierSpec
 
 from .budget import WriteBudget
 from .placement import CostAwarePlacement, Economics
-from .profiles import GPUSpec, Medium, TierSpec, load_hardware
+from .profiles import GPUSpec, load_hardware
 from .recompute import COMPUTE_PRESETS, ModelCompute, Recompute, model_compute
 
 
 def spec_of(tier: Tier) -> TierSpec:
-    """A :class:`TierSpec` from a live tier's profile (p99 latency taken as 2x median)."""
+    """A :class:`TierSpec` from a live tier's profile.
+
+    A profile taken from the table of tier economics (the host and nvme tiers') is priced
+    by its whole entry; any other by its four figures, p99 latency taken as 2x median.
+    """
     p = tier.profile
+    entry = next((t for t in TIER_PRESETS.values() if t.to_tier_profile() == p), None)
+    if entry is not None:
+        return replace(entry, name=tier.name)
     medium = Medium.SSD if p.endurance_dwpd > 0 else Medium.DRAM
     return TierSpec(
         name=tier.name,

@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.policies import compose
 from tests import redis_servers
+
+# The tests run kvtier as its programs do: with the policies composed in beside the core
+# (placement "cost" by default). tests/unit/test_plugins.py runs the core alone.
+compose()
 
 # LMCache's tests run in a process of their own (tests/connectors/test_lmcache_isolated.py):
 # importing lmcache pulls in numba/llvmlite, whose objects break vLLM 0.32's triton

@@ -1,7 +1,11 @@
-"""``kvtier``: info, demo, serve, bench (and later calc).
+"""``kvtier``: info, demo, serve, bench, calc. The composition root of kvtier.
 
-Each command imports what it needs when it runs, so ``kvtier --help`` stays fast and a
-missing optional dependency only affects the command that needs it.
+The core (everything under ``kvtier/`` but this package) names none of the parts above
+it; here they are put together: before any command runs, :func:`compose` adds
+``kvtier.policies`` to the process (its names, and ``cost`` as the default placement),
+and each command imports the wing it drives (the daemon, the benchmarks, the
+calculator) when it runs, so ``kvtier --help`` stays fast and a missing optional
+dependency only affects the command that needs it.
 """
 
 from __future__ import annotations
@@ -45,6 +49,18 @@ DataDirOpt = Annotated[
         "Default ~/.local/share/kvtier; empty string: memory tiers only.",
     ),
 ]
+
+
+def compose() -> None:
+    """Put kvtier's parts together in this process: the policies beside the core."""
+    from kvtier.policies import compose as compose_policies
+
+    compose_policies()
+
+
+@app.callback()
+def _composed() -> None:
+    compose()
 
 
 def _data_dir_override(data_dir: str | None) -> list[str]:
@@ -195,6 +211,7 @@ def main() -> None:
     """Entry point: turn kvtier errors into one clear line and exit status 2."""
     argv = sys.argv[1:]
     try:
+        compose()
         if len(argv) >= 2 and argv[0] == "bench" and not argv[1].startswith("-"):
             # A benchmark parses its own options, --help included (typer would answer
             # --help with this command's help instead).

@@ -15,6 +15,7 @@ from typing_extensions import override
 from kvtier.enums import Switch
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import SlotRun, TierGeometry, TierProfile, TierSection, ViewableTier
+from kvtier.tiers.economics import DDR5_HOST
 from kvtier.tiers.memory import SharedArena
 
 try:
@@ -220,8 +221,9 @@ class HostTier(ViewableTier):
         self.arena.close()
 
 
-# DDR5 host memory behind PCIe Gen5 x16: the 55 GB/s link is the bottleneck (ARCHITECTURE.md).
-HOST_PROFILE = TierProfile(latency_s=2e-6, bandwidth_Bps=50e9, cost_per_gb_month=2.5)
+# DDR5 host memory behind PCIe Gen5 x16, priced and timed by the one table of tier
+# economics that placement and kvtier calc use too.
+HOST_PROFILE = DDR5_HOST.to_tier_profile()
 
 
 def create(section: TierSection, geometry: TierGeometry) -> HostTier:

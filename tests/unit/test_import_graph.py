@@ -163,18 +163,69 @@ def test_no_import_circles_through_type_only_imports() -> None:
     )
 
 
-def test_the_core_imports_no_wing_at_module_level() -> None:
-    """docs/architecture.md: the wings (policies, connectors, service, bench) import the
-    core; the core reaches a wing only inside a function, on first use."""
-    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    wings = [p for p in dirs["package-dir"] if p != "kvtier"]
+# The layers, bottom first (docs/architecture.md): a module imports only its own part
+# and the parts of lower layers, at module level or inside a function. The core is
+# everything under kvtier/ but the CLI; the CLI is the composition root, on top.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("core",),
+    ("kvtier.policies",),
+    ("kvtier.service",),
+    ("kvtier.connectors", "kvtier.bench"),
+    ("kvtier.cli",),
+)
 
-    def in_wing(m: str) -> bool:
-        return any(m == w or m.startswith(f"{w}.") for w in wings)
 
-    g = graph(ROOT, in_functions=False)
-    upward = sorted(f"{m} -> {w}" for m in g if not in_wing(m) for w in g[m] if in_wing(w))
-    assert not upward, "the core imports a wing at module level:\n" + "\n".join(upward)
+def part_of(module: str) -> str:
+    """The part a module belongs to: a wing's or the CLI's package, else ``core``."""
+    for layer in LAYERS[1:]:
+        for part in layer:
+            if module == part or module.startswith(f"{part}."):
+                return part
+    return "core"
+
+
+def upward(g: dict[str, set[str]]) -> list[str]:
+    """Every import from a part into another part of the same or a higher layer."""
+    rank = {part: i for i, layer in enumerate(LAYERS) for part in layer}
+    out = []
+    for m, targets in g.items():
+        for t in targets:
+            a, b = part_of(m), part_of(t)
+            if a != b and rank[b] >= rank[a]:
+                out.append(f"{m} -> {t}")
+    return sorted(out)
+
+
+def test_the_layers_import_downward_only() -> None:
+    """The core (kvtier/ but the CLI) imports no wing, not even inside a function; the
+    policies import only the core; the daemon the policies and the core; connectors and
+    benchmarks what lies below them; and only the CLI, the composition root, imports
+    them all."""
+    g = graph(ROOT)
+    assert {part_of(m) for m in g} == {p for layer in LAYERS for p in layer}
+    found = upward(g)
+    assert not found, "imports that run against the layers:\n" + "\n".join(found)
+    cli = ast.parse((ROOT / "kvtier" / "cli" / "__init__.py").read_text())
+    assert "the composition root" in (ast.get_docstring(cli) or "")
+
+
+def test_the_layer_check_sees_an_import_inside_a_function() -> None:
+    g = {
+        "kvtier.store.store": {"kvtier.keys"},
+        "kvtier.keys": set(),
+        "kvtier.factory": set(),
+        "kvtier.policies.wiring": {"kvtier.factory"},
+    }
+    assert upward(g) == []
+    g["kvtier.factory"] = {"kvtier.policies.wiring"}  # e.g. `def f(): from kvtier.policies...`
+    g["kvtier.service.app"] = {"kvtier.connectors.vllm.settings", "kvtier.policies"}
+    g["kvtier.bench.x"] = {"kvtier.connectors", "kvtier.cli.main"}
+    assert upward(g) == [
+        "kvtier.bench.x -> kvtier.cli.main",
+        "kvtier.bench.x -> kvtier.connectors",
+        "kvtier.factory -> kvtier.policies.wiring",
+        "kvtier.service.app -> kvtier.connectors.vllm.settings",
+    ]
 
 
 def test_the_checker_sees_a_circle_dodged_inside_a_function(tmp_path: Path) -> None:

@@ -54,6 +54,7 @@ from kvtier.enums import Switch
 from kvtier.errors import ClosedError, ConfigError, CorruptChunkError, TierIOError
 from kvtier.files import DIR_MODE, FILE_MODE, make_private, make_private_dirs
 from kvtier.tiers.base import PersistentTier, SlotRun, TierFaults, TierGeometry, TierProfile
+from kvtier.tiers.economics import NVME_GEN5_TLC
 from kvtier.tiers.nvme.engine import PAGE, BufferPool, IOEngine, IORequest, is_aligned, make_engine
 from kvtier.tiers.nvme.journal import Durability, Entry, Geometry, Journal, Op
 from kvtier.tiers.nvme.options import Codec, EngineKind, Options
@@ -66,10 +67,9 @@ log = logging.getLogger(__name__)
 # fallocate calls, and a new tier costs at most this much disk before it holds data.
 GROW_STEP_BYTES = 256 << 20
 
-# A datacenter TLC NVMe drive: ~80 us to first byte, Gen4 x4 sequential, ~1 drive write a day.
-NVME_PROFILE = TierProfile(
-    latency_s=80e-6, bandwidth_Bps=6e9, cost_per_gb_month=0.08, endurance_dwpd=1.0
-)
+# A datacenter TLC NVMe drive, priced and timed by the one table of tier economics that
+# placement and kvtier calc use too.
+NVME_PROFILE = NVME_GEN5_TLC.to_tier_profile()
 
 
 @dataclass(frozen=True, slots=True)
