@@ -18,6 +18,7 @@ from kvtier.enums import Switch
 from kvtier.errors import ConfigError
 from kvtier.tiers import numa
 from kvtier.tiers.base import SlotRun, TierGeometry, TierProfile, TierSection
+from kvtier.tiers.economics import CXL2_EXPANDER
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.host import Options as HostOptions
 
@@ -63,7 +64,8 @@ class CXLTier(HostTier):
         self._emulated = options.emulate is Switch.ON or node is None
         self._latency_s = options.latency_us * 1e-6
         self._bandwidth_Bps = options.bandwidth_gbps * 1e9
-        profile = TierProfile(self._latency_s, self._bandwidth_Bps, cost_per_gb_month=1.6)
+        # Speed as configured (it may be emulated); the price is the table's.
+        profile = TierProfile(self._latency_s, self._bandwidth_Bps, CXL2_EXPANDER.cost_per_gb_month)
         host_opts = HostOptions(numa_node=None if self._emulated else node, pin=options.pin)
         super().__init__(geometry, host_opts, profile)
         if self.emulated:

@@ -212,6 +212,20 @@ REDIS_100GBE = TierSpec(
     power_w=400.0,
 )
 
+# A managed Redis in the same zone over 10 GbE: the default of a live redis tier, which
+# more often meets a shared cache service than a dedicated 100 GbE server. Managed
+# in-memory stores are priced by the GB of memory reserved.
+REDIS_10GBE_MANAGED = TierSpec(
+    "redis",
+    Medium.REMOTE,
+    latency_s=250e-6,
+    p99_latency_s=1e-3,
+    bandwidth_Bps=1.2e9,
+    half_bandwidth_bytes=512 * KiB,
+    cost_per_gb_month=10.0,
+    device_bytes=64e9,
+)
+
 # Preset name (a hardware TOML's ``preset = ...``) -> spec.
 TIER_PRESETS: dict[str, TierSpec] = {
     "ddr5": DDR5_HOST,
@@ -219,4 +233,5 @@ TIER_PRESETS: dict[str, TierSpec] = {
     "nvme-tlc": NVME_GEN5_TLC,
     "nvme-qlc": NVME_GEN5_QLC,
     "redis-100gbe": REDIS_100GBE,
+    "redis-10gbe-managed": REDIS_10GBE_MANAGED,
 }

@@ -38,6 +38,7 @@ from kvtier.tiers.base import (
     TierProfile,
     TierSection,
 )
+from kvtier.tiers.economics import REDIS_10GBE_MANAGED
 from kvtier.tiers.redis import wire
 from kvtier.tiers.redis.nodes import NodeHealth, Nodes, Op
 from kvtier.tiers.redis.options import Options
@@ -54,8 +55,8 @@ class _R(enum.Enum):
     FAILED = "failed"
 
 
-# A 10 GbE link to a Redis in the same zone; managed in-memory stores cost ~$10/GB-month.
-REDIS_PROFILE = TierProfile(latency_s=250e-6, bandwidth_Bps=1.2e9, cost_per_gb_month=10.0)
+# The table's entry (kvtier/tiers/economics.py), so placement and `kvtier calc` agree.
+REDIS_PROFILE = REDIS_10GBE_MANAGED.to_tier_profile()
 
 
 class RedisTier(SharedTier):
