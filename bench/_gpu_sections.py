@@ -47,8 +47,8 @@ def run_case(
     flat = torch.empty(c.nbytes // 8, dtype=torch.int64, device=dev)
     fill_random([flat], 7)
     host_flat = c.host.view(torch.int64)
-    # Short transfers get more runs (up to 8x for 2K tokens): five runs of a 5 ms copy
-    # are a sample of the machine's moments, not of the engine.
+    # Short transfers get more runs (up to 8x for 2K tokens): five runs of a copy of a
+    # few milliseconds are a sample of the machine's moments, not of the engine.
     reps *= max(1, min(8, 16384 // tokens))
     warmup = 3
     rows = []
@@ -67,9 +67,9 @@ def run_case(
         }
         # Store (GPU -> host). The engine is timed against the ceiling in a rotation of
         # their own: with the per-block loop (thousands of launches) in the same rotation,
-        # the engine right after it measured 0.03-0.07 lower at 2K on the H200 (the
-        # `small` section shows both), an effect of one baseline on the next run, not of
-        # the engine. The per-block ratio comes from its own rotation with the engine.
+        # the engine run right after it came out lower at 2K (the `small` section shows
+        # both), an effect of one baseline on the next run, not of the engine. The
+        # per-block ratio comes from its own rotation with the engine.
         ceiling_store = lambda: host_flat.copy_(flat, non_blocking=True)  # noqa: E731
         engine_store = lambda: eng.store(c.kv, c.ids_list, c.host).wait()  # noqa: E731
         t = _rotations(
@@ -670,10 +670,8 @@ def run(a: argparse.Namespace) -> int:
     print(json.dumps(payload["device"]), flush=True)
     if "cases" in sections and cases and dev.type == "cuda" and a.warmup_s > 0:
         # The headline is meant as the steady state a serving engine is in, not a fresh
-        # process's first seconds: on one H200 the first two 2K passes of a fresh
-        # process measured 0.87x and later ones 0.92-0.94x; on the next machine the
-        # passes here spread 0.86-0.94x with no trend (docs/benchmarks.md). The passes'
-        # ratios are kept in the JSON, so that spread stays in view.
+        # process's first seconds, whose first 2K passes can come out lower than later
+        # ones. The passes' ratios are kept in the JSON, so their spread stays in view.
         payload["warmup"] = section("cases-warmup", lambda: _warm_up(dev, cases[0], a, opts))
     for geo, tokens, pb in cases if "cases" in sections else []:
         rows = section(

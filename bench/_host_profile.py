@@ -2,7 +2,7 @@
 
 The small rows of ``kvtier bench host`` miss their target by the store's own work, run
 with the CPU caches evicted (as after a large copy elsewhere). A sampling profiler
-cannot see a 100 us operation, and a tracing one (cProfile) costs more per call than
+cannot see an operation this short, and a tracing one (cProfile) costs more per call than
 the calls themselves, so this wraps a fixed list of the store's functions with a timer
 each and runs single-chunk puts, gets and deletes on an inline store (``io_threads=0``:
 every call on this thread), evicting the caches before each operation.

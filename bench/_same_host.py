@@ -62,15 +62,14 @@ def rows_for_size(
     step = batch * size
     # The host tier holds the get working set plus one round of fresh puts (deleted
     # after the round): a smaller tier demotes the working set to the daemon's nvme
-    # tier, and the get rows then time nvme reads (16 MiB x 8 at 4 threads once read
-    # 0.14x memcpy that way), not the same-host channel.
+    # tier, and the get rows then time nvme reads, not the same-host channel.
     most_ops = max(max(4 * conc, target_bytes // step) for conc in concs)
     need = (n_keys + most_ops * batch) * size
     capacity = max(1 << 30, need + need // 8)
     # The arena prefaulted, as the baseline's ring is: otherwise the first timed puts into
-    # never-touched pages pay the kernel's page faults (~13 us a page on the project's
-    # VM; a 16 MiB x 32 put p99 of 1.7 s), a cost of a daemon's first minutes
-    # (``prefault = false``, the default), not of the channel.
+    # never-touched pages pay the kernel's page faults (a p99 of seconds for the largest
+    # rows), a cost of a daemon's first minutes (``prefault = false``, the default), not
+    # of the channel.
     url, proc = start_kvtier(
         tmp,
         f"{-(-capacity // MiB)}MiB",
@@ -115,7 +114,7 @@ def rows_for_size(
         ring = np.ones((max(4, 64 * MiB // step), step), dtype=np.uint8)
         # Destinations made and faulted in before any timing, one per thread of the widest
         # run. (Made per pool thread on first use, the first get or memcpy of a thread new to
-        # a run paid the page faults of a fresh 128 MiB region: a get p99 of 150 ms.)
+        # a run paid the page faults of a fresh region, which showed as the get p99.)
         # Ops in flight at once use different ones; an overlap would only mix garbage.
         dsts = [c.shared_buffer(step) for _ in range(max(concs))]
         for buf in dsts:
@@ -241,8 +240,8 @@ def socket_floor_us(n: int = 2000, cpus: tuple[int, int] | None = None) -> float
 
     ``cpus``: run this thread on the first CPU and the echoing process on the second for
     the measurement. Where the scheduler puts the two matters: a wake-up on another CPU
-    can cost far more than one on the same CPU (a 2-vCPU VM measured 4 us against 95-102
-    us), so an unpinned figure only says where the processes happened to run.
+    can cost many times one on the same CPU, so an unpinned figure only says where the
+    processes happened to run.
     """
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     echo = (

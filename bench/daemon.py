@@ -1,6 +1,6 @@
 """The REST daemon against redis-server, moving the same values at the same concurrency.
 
-    kvtier bench daemon --json out.json           # short: ~2 minutes on 2 shared cores
+    kvtier bench daemon --json out.json           # short: a few minutes
     kvtier bench daemon --full --json out.json    # more repeats, more bytes, 60 s soak
 
 Both servers run on this machine in the same invocation: ``kvtier serve`` (uvicorn,

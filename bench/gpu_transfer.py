@@ -1,6 +1,6 @@
 """GPU data path: the transfer engine against one contiguous copy and a per-block loop.
 
-Workload (issue 8): one sequence's KV, on random block ids of a vLLM-shaped paged cache
+Workload: one sequence's KV, on random block ids of a vLLM-shaped paged cache
 (block size 16, LBNHC: vLLM 0.32's default for FlashAttention), moved between the GPU
 and the host tier's shared-memory arena (page-locked with cudaHostRegister).
 

@@ -18,8 +18,8 @@ Every timed operation starts from the same cache state: an untimed read of a scr
 buffer twice the last-level cache runs before each one (``--no-flush`` turns it off).
 Without it the contender timed second inherits a warm source from the first: the memcpy
 baseline right after a put reads a source that the put just pulled into cache, while
-the put reads it cold, which on a large-cache host showed as puts of 8-32 MiB at
-0.70-0.77x.
+the put reads it cold, which on a large-cache host made the puts of sizes that fit in
+its cache look slower than they are.
 
 A second table gives the fixed cost of one operation (4 KiB values, median of many):
 through the I/O thread as above, and on an inline store (``io_threads=0``, the same
@@ -105,7 +105,7 @@ def fixed_costs(
     times: dict[tuple[str, str], list[float]] = {}
     # Warm and cold ways run in separate phases: interleaved, the first warm operation
     # after a cold one would start from the caches the eviction left (it once made the
-    # I/O thread's put look 100 us dearer than the inline one, a measurement artefact).
+    # I/O thread's hand-off look far dearer than it is, an artefact of the order).
     phases: list[list[tuple[str, TieredStore, Callable[[], object] | None]]] = [
         [("io_thread", store, None), ("inline", inline, None)]
     ]

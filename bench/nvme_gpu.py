@@ -99,8 +99,8 @@ def forced_gds_probe(path: Path) -> str:
         import kvikio
         import kvikio.defaults as d
 
-        # The setting takes kvikio.CompatMode, not a string (a string raised TypeError
-        # in the first H200 run, so that run's probe proves nothing).
+        # The setting takes kvikio.CompatMode, not a string (a string raises TypeError,
+        # and the probe would then prove nothing).
         with d.set("compat_mode", kvikio.CompatMode.OFF):
             f = kvikio.CuFile(str(path), "r+")
             buf = cupy.arange(MiB, dtype=cupy.uint8)

@@ -156,7 +156,7 @@ class RedisClusterProcs:
                     "--cluster-config-file",
                     "nodes.conf",
                     "--cluster-node-timeout",
-                    "5000",  # a loaded 2-core box stalls for seconds
+                    "5000",  # a loaded small machine can stall for seconds
                     # Live masters keep serving their slots while another is down.
                     "--cluster-require-full-coverage",
                     "no",

@@ -1,6 +1,6 @@
 """lz4 with byte-plane shuffle: a cheap codec for fp16/bf16 KV on slow tiers.
 
-Plain lz4 finds almost nothing to compress in raw fp16/bf16 KV (about 1.00x): the
+Plain lz4 finds almost nothing to compress in raw fp16/bf16 KV: the
 bytes of one value alternate between a high byte (sign, exponent, top of the
 mantissa), whose values repeat a lot, and a low byte that is close to noise. Splitting
 the buffer into byte planes first (all low bytes, then all high bytes) puts the
@@ -37,7 +37,7 @@ class Encoded:
 
 def shuffle(data: npt.NDArray[Any], width: int = 2) -> npt.NDArray[Any]:
     """Byte planes of ``data`` (uint8, length a multiple of ``width``): plane 0 first."""
-    if width == 2:  # shifts and masks: ~30x faster than a strided transpose in numpy
+    if width == 2:  # shifts and masks: far faster than a strided transpose in numpy
         u = data.view("<u2")
         out = np.empty(data.nbytes, dtype=np.uint8)
         np.bitwise_and(u, 0xFF, out=out[: u.size], casting="unsafe")

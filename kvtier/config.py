@@ -46,6 +46,11 @@ MAX_SIZE_BYTES = 1 << 62  # far past any machine; larger sizes overflow allocato
 # service.data_dir, like KVTIER_SERVICE__DATA_DIR (which wins when both are set).
 DATA_DIR_ENV = "KVTIER_DATA_DIR"
 
+# Top-level settings have no section to nest under, so their variables are read by name
+# (KVTIER_LOG_LEVEL, KVTIER_LOG_FORMAT); any other KVTIER_* name without "__" is left
+# alone: it is not configuration (a client's KVTIER_TOKEN, say).
+TOP_LEVEL_ENV = {f"{ENV_PREFIX}{key.upper()}": key for key in ("log_level", "log_format")}
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -187,6 +192,9 @@ class KVTierConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     # Python logging level name for kvtier's loggers.
     log_level: str = "INFO"
+    # How the CLI and the daemon write log records to stderr: "text" (rich columns on a
+    # terminal, one plain line per record otherwise) or "json" (one object per line).
+    log_format: str = "text"
 
 
 # -- loading -------------------------------------------------------------------------------
@@ -223,6 +231,9 @@ def load_config(
     environ = os.environ if env is None else env
     if DATA_DIR_ENV in environ:
         set_dotted(raw, "service.data_dir", environ[DATA_DIR_ENV], source=DATA_DIR_ENV)
+    for name, key in TOP_LEVEL_ENV.items():
+        if name in environ:
+            set_dotted(raw, key, environ[name], source=name)
     for name, value in sorted(environ.items()):
         if name.startswith(ENV_PREFIX) and "__" in name:
             dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
@@ -366,6 +377,8 @@ def _validate(cfg: KVTierConfig) -> None:
         raise ConfigError("store.io_threads", s.io_threads, "an integer in [1, 256]")
     if cfg.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         raise ConfigError("log_level", cfg.log_level, "DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    if cfg.log_format not in ("text", "json"):
+        raise ConfigError("log_format", cfg.log_format, '"text" or "json"')
     if not 0 <= cfg.model.tp_rank < cfg.model.tp_size:
         raise ConfigError("model.tp_rank", cfg.model.tp_rank, f"in [0, {cfg.model.tp_size})")
     _validate_service(cfg.service)

@@ -24,7 +24,7 @@ from kvtier.errors import InputError
 try:
     from kvtier._speedups import keys16 as _keys16_c
     from kvtier._speedups import pack_i32 as _pack_i32_c
-except ImportError:  # built without a C compiler: the array module is ~5x slower
+except ImportError:  # built without a C compiler: the array module packs, more slowly
     _pack_i32_c = None
     _keys16_c = None
 
@@ -77,8 +77,9 @@ class Namespace:
 class ChunkHasher:
     """Computes the chained keys of a token sequence's full chunks.
 
-    Thread-safe (immutable after construction). About 0.2 µs per token-KiB: a 128K-token
-    prompt hashes in well under a millisecond of hashing plus one array conversion.
+    Thread-safe (immutable after construction). One hash per chunk over the packed
+    tokens: packing the token list, not hashing, is most of the cost (docs/benchmarks.md,
+    "Chunk keys vs vLLM block hashing").
     """
 
     def __init__(self, namespace: Namespace) -> None:
@@ -126,7 +127,7 @@ def check_keys(keys: Iterable[object]) -> list[ChunkKey]:
 
     The store's public methods call this first: a key of another length would be
     truncated or padded by a persistent tier's journal, and after a reopen its value
-    would be served under a key never put (issue 11).
+    would be served under a key never put (tests/store/test_store.py).
 
     Raises:
         InputError: ``keys`` is not an iterable of keys, or one key is not 16 bytes.

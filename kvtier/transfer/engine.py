@@ -16,9 +16,9 @@ unit i; a slot is reused only after the event of its last copy (store) or scatte
 place; :meth:`TransferHandle.wait_for_layer` turns it into a stream wait, which is what
 layer-wise loading needs.
 
-Why gather then one copy: a 64 KiB page copied alone crosses PCIe at about a fifth of
-the large-copy rate (``docs/benchmarks.md``), while an ``index_select`` at HBM speed
-costs a few percent of the copy it feeds and overlaps with it.
+Why gather then one copy: a page copied alone crosses PCIe far below the large-copy
+rate, while an ``index_select`` at HBM speed costs a small part of the copy it feeds and
+overlaps with it (docs/benchmarks.md, "GPU data path").
 
 The engine is device-agnostic torch code; CUDA specifics live in
 :mod:`kvtier.transfer.cuda`, imported only for a CUDA device. On CPU, operations run as
@@ -126,10 +126,10 @@ def plan(
 def _id_tensor(block_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """Block ids as a CPU int64 tensor.
 
-    ``torch.as_tensor`` of a list costs ~0.1 us per id (~190 us for 2048 ids), all of it
-    before the first copy of the transfer can be enqueued; packing a list or tuple of
-    ints with the C helper first costs ~4 ns per id. Ids that do not fit int32 (never a
-    valid block) take the general path, whose range check names them.
+    ``torch.as_tensor`` of a list converts id by id in Python, all of it before the first
+    copy of the transfer can be enqueued; a list or tuple of ints is packed by the C
+    helper first instead. Ids that do not fit int32 (never a valid block) take the
+    general path, whose range check names them.
     """
     if isinstance(block_ids, torch.Tensor):
         return block_ids.to(device="cpu", dtype=torch.int64)
@@ -303,9 +303,9 @@ class TransferEngine(PagedTransfer):
         return s, self._view(side, s, kv.word_dtype, shape)
 
     def _view(self, side: int, s: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """Slot ``s`` of ``side`` as a tensor of ``shape``. Cached: three view calls cost
-        10 us warm and 60 us after 2 ms idle (H100 host), once per unit; a transfer's
-        units repeat few shapes."""
+        """Slot ``s`` of ``side`` as a tensor of ``shape``. Cached: the view calls would
+        otherwise run once per unit, in the host time before a copy can start, and a
+        transfer's units repeat few shapes."""
         key = (side, s, dtype, shape)
         view = self._views.get(key)
         if view is None:
@@ -536,8 +536,8 @@ class TransferEngine(PagedTransfer):
         on the current stream: one kernel launch for a unit of several layers, else one
         ``index_select`` / ``index_copy_`` per layer."""
         l0, l1 = layers
-        # One Triton launch costs about two ``index_select`` launches of CPU (measured on
-        # the H200 host: a 32K store of 64 one-layer units returned 1.5 ms later with it).
+        # One Triton launch costs more host CPU than one ``index_select``: a one-layer
+        # unit keeps the plain kernel.
         if table is not None and l1 - l0 >= 2:
             g = kv.geometry
             launch(

@@ -1,21 +1,20 @@
 """One kernel launch to fill or empty a staging slot, whatever its number of layers.
 
 The staged pipeline (:mod:`kvtier.transfer.engine`) fills a slot (store) with one
-``index_select`` per layer and empties it (load) with one ``index_copy_`` per layer: ~25 us
-of CPU each, so a 2K-token transfer of a 32-layer model spends ~0.8 ms enqueueing kernels
-against a ~5 ms copy, and short transfers reach only ~0.9x of one contiguous copy. This
-kernel moves the pages of every layer of a unit in ONE launch, HBM to HBM; the copy
-engine still does the PCIe copy.
+``index_select`` per layer and empties it (load) with one ``index_copy_`` per layer. Each
+launch costs host CPU before the first copy can start, and a short transfer (a few
+thousand tokens of a many-layer model) waits for all of them, so it falls short of one
+contiguous copy. This kernel moves the pages of every layer of a unit in ONE launch, HBM
+to HBM; the copy engine still does the PCIe copy.
 
 A table of layer base addresses (one int64 per layer, built once per cache) lets one
 program reach any layer: a task is one slice of ``WORDS`` words of one run of one page,
 ``(layer, run, block)``, and a persistent grid of ``programs`` takes them in turn.
 
-Tried and dropped (docs/benchmarks.md, 2026-12-02): the same kernel reading and writing
-page-locked host memory directly (no staging, one launch per transfer). Over PCIe the SMs
-reached 0.87-0.94x (stores) and, with 32 programs or more, 0.85-0.92x (loads) of the
-one-copy ceiling, below that path at every size but the 2K store, and slowed concurrent matmuls
-1.14-2.0x.
+Tried and dropped: the same kernel reading and writing page-locked host memory directly
+(no staging, one launch per transfer). Over PCIe the SMs moved the bytes slower than the
+copy engine does, at nearly every size, and they took SMs from the model's own kernels
+(concurrent matmuls ran slower).
 
 Needs Triton (shipped with CUDA builds of torch). :func:`unavailable` says why the
 kernel cannot run here; the engine then keeps one launch per layer.
@@ -133,7 +132,7 @@ def compile_for(
     programs: int,
 ) -> None:
     """Compile both directions for one cache now, without running them (Triton's
-    ``warmup``), so the first transfer does not wait ~1 s for the compiler."""
+    ``warmup``), so the first transfer does not wait for the compiler."""
     for store in (True, False):
         launch(
             store,

@@ -323,8 +323,8 @@ class KvikioEngine(IOEngine):
         self._kvikio = kvikio
         # kvikio splits each transfer over its own pool: give it as many threads as posix.
         # In compat mode it writes with O_DIRECT but reads through the page cache unless
-        # told otherwise; the tier's reads must come from the device, as posix's do.
-        # (Set after the first H200 run, whose compat-mode reads were page-cache hits.)
+        # told otherwise; the tier's reads must come from the device, as posix's do (else
+        # they are page-cache hits that say nothing of the disk).
         for setting, val in (("thread_pool_nthreads", self.threads), ("auto_direct_io_read", True)):
             try:
                 kvikio.defaults.set(setting, val)

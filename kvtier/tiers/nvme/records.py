@@ -246,7 +246,7 @@ def replay(
         recs["seq"].tolist(),
         strict=True,
     )
-    put = int(Op.PUT)  # plain ints: IntEnum comparisons cost 10x in this loop
+    put = int(Op.PUT)  # plain ints: an IntEnum comparison costs far more in this hot loop
     for op, slot, key, value, checksum, stored, codec, seq in cols:
         if op == put:
             # A later PUT to the same slot supersedes an earlier one (the slot was reused
@@ -264,7 +264,8 @@ def newest_per_key(index: dict[int, Entry], st: ReplayStats) -> dict[int, Entry]
 
     Two live entries name one key when the DEL of its old slot never reached the disk
     and the key was stored again in another slot: the newer PUT holds the current value
-    (issue 11: the lower slot used to win and served the old value after a restart).
+    (the lower slot used to win and served the old value after a restart:
+    tests/tiers/nvme/test_journal_faults.py).
     """
     best: dict[bytes, Entry] = {}
     for e in index.values():

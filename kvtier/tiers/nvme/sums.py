@@ -5,10 +5,9 @@ its read (or before its write), the hash reads the chunk from DRAM a second time
 posix engine therefore moves buffered transfers in pieces of :data:`PIECE_BYTES` and
 hands each piece to :class:`PieceSums` right after it lands (a read) or right before it
 goes (a write): the hash then reads from cache, and while one engine thread hashes
-another is inside its ``preadv`` (python-xxhash hashes without the GIL: two threads
-hashing 2 MiB buffers reach twice one thread's rate on the VM). On the 2-core VM, two
-32 MiB chunks read from the page cache by two threads: 12.2 ms read then hash, 10.5 ms
-pieces, 10.2 ms with no hash at all.
+another is inside its ``preadv`` (python-xxhash hashes without the GIL, so two threads
+hash at twice one thread's rate). Hashed this way, a read from the page cache costs
+little more than the read alone (docs/benchmarks.md, "Through the page cache").
 
 A request holds ``m`` chunks of ``value_bytes`` each, ``stride`` bytes apart (the slot
 size). Pieces must come in order and cover every chunk; a chunk that was not covered so
@@ -23,7 +22,7 @@ from typing import Any
 import xxhash
 
 PIECE_BYTES = 2 << 20
-"""Piece size: about one core's L2 on the hosts measured (2 MiB on the VM)."""
+"""Piece size: about one core's L2 cache, so a piece is still there when it is hashed."""
 
 
 class PieceSums:
