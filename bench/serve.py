@@ -397,7 +397,7 @@ def main(argv: list[str]) -> int:
             for r in reqs
             for i in range(0, len(r.tokens) - VLLM_BLOCK + 1, VLLM_BLOCK)
         }
-    )  # noqa: E501
+    )
     print(
         f"{len(reqs)} requests of {a.trace} ("
         + (f"{a.conversations} conversations" if a.conversations > 0 else f"from #{a.start}")
@@ -463,7 +463,7 @@ def main(argv: list[str]) -> int:
             requests=len(reqs),
             prompt_tokens=prompt_tokens,
             working_set_tokens=distinct * VLLM_BLOCK,
-        ),  # fmt: skip
+        ),
     )
     return 0
 
