@@ -102,6 +102,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=BENCH_GEOMETRY.layers)
     p.add_argument("--kv-heads", type=int, default=BENCH_GEOMETRY.kv_heads)
     p.add_argument("--start-timeout-s", type=float, default=300.0)
+    p.add_argument("--repeat", type=int, default=1, help="runs of every row, order alternating")
     p.add_argument("--keep", action="store_true", help="keep the servers' logs and the model")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -375,6 +376,60 @@ def run_row(
     }
 
 
+def summarise(a: argparse.Namespace, runs: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """Per row: the median over repeats of each figure and of its ratio to the baseline
+    of the same repeat; outputs compared with the ``none`` row of the same repeat."""
+    done = [r for r in runs if "error" not in r]
+    rows_run = {r["row"] for r in done}
+    base = "noop" if "noop" in rows_run else "none" if "none" in rows_run else None
+    by = {(r["row"], r["repeat"]): r for r in done}
+    out: list[dict[str, Any]] = []
+    # Each figure and the name of its ratio to the baseline.
+    ratios = {
+        "ttft_p50_s": "ttft_p50_ratio",
+        "ttft_p90_s": "ttft_p90_ratio",
+        "ttft_p99_s": "ttft_p99_ratio",
+        "prompt_tokens_per_s": "throughput_ratio",
+    }
+    for row in a.rows:
+        mine = [r for r in done if r["row"] == row]
+        if not mine:
+            out.append({"row": row, "errors": [r["error"] for r in runs if r["row"] == row]})
+            continue
+        s: dict[str, Any] = {"row": row, "repeats": len(mine), "baseline": base}
+        for f in (*ratios, "vllm_hit_rate", "external_hit_rate", "cached_tokens", "preemptions"):
+            s[f] = statistics.median(r[f] for r in mine)
+        same = total = 0
+        for r in mine:
+            ref = by.get(("none", r["repeat"]))
+            if ref is not None:
+                same += sum(x == y for x, y in zip(r["tokens"], ref["tokens"], strict=True))
+                total += n
+            b = by.get((base, r["repeat"])) if base else None
+            if b is not None:
+                for f, name in ratios.items():
+                    r[name] = r[f] / b[f]
+        s["outputs_identical"] = f"{same}/{total}"
+        for key in ratios.values():
+            vals = [r[key] for r in mine if key in r]
+            if vals:
+                s[key] = statistics.median(vals)
+                s[key + "s"] = vals
+        s["runs"] = mine
+        out.append(s)
+    if base is not None:
+        print(f"against {base}, median over {a.repeat} repeat(s):")
+        for s in out:
+            if "ttft_p50_ratio" in s:
+                print(
+                    f"{s['row']:>7}: TTFT p50 {s['ttft_p50_ratio']:.2f}x  p90 "
+                    f"{s['ttft_p90_ratio']:.2f}x  p99 {s['ttft_p99_ratio']:.2f}x  throughput "
+                    f"{s['throughput_ratio']:.2f}x  outputs identical to none "
+                    f"{s['outputs_identical']}"
+                )
+    return out
+
+
 def main(argv: list[str]) -> int:
     a = _args(argv)
     if missing("vllm", "every serve row", "pip install 'kvtier[vllm]'"):
@@ -407,52 +462,36 @@ def main(argv: list[str]) -> int:
         f"{distinct * VLLM_BLOCK * kv_per_token / 2**20:.0f} MiB of KV; vLLM's pool "
         f"{a.vllm_kv_tokens} tokens" + (" (no reuse)" if a.no_reuse else "")
     )
-    rows: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = []  # one per row and repeat, in the order run
     ok = False
     try:
-        for row in a.rows:
-            try:
-                r = run_row(a, row, model, reqs, tmp, geo.vocab)
-            except RuntimeError as exc:
-                print(f"{row}: not run: {str(exc).splitlines()[0]}")
-                rows.append({"row": row, "error": str(exc)[-2000:]})
-                continue
-            rows.append(r)
-            print(
-                f"{row:>7}: TTFT p50 {r['ttft_p50_s'] * 1e3:8.1f} ms  p90 "
-                f"{r['ttft_p90_s'] * 1e3:8.1f}  p99 {r['ttft_p99_s'] * 1e3:8.1f}  "
-                f"{r['prompt_tokens_per_s']:7.0f} prompt tok/s  vLLM hits "
-                f"{100 * r['vllm_hit_rate']:5.1f}%  external {100 * r['external_hit_rate']:5.1f}%"
-                f"  preemptions {r['preemptions']:.0f}"
-            )
+        for rep in range(a.repeat):
+            # Every other repeat runs the rows backwards: a drift of the machine's load
+            # then hits each row from both sides (the rows' ratios are per repeat).
+            order = a.rows if rep % 2 == 0 else a.rows[::-1]
+            for row in order:
+                try:
+                    r = run_row(a, row, model, reqs, tmp, geo.vocab)
+                except RuntimeError as exc:
+                    print(f"{row}: not run: {str(exc).splitlines()[0]}")
+                    runs.append({"row": row, "repeat": rep, "error": str(exc)[-2000:]})
+                    continue
+                r["repeat"] = rep
+                runs.append(r)
+                print(
+                    f"{row:>7} #{rep}: TTFT p50 {r['ttft_p50_s'] * 1e3:8.1f} ms  p90 "
+                    f"{r['ttft_p90_s'] * 1e3:8.1f}  p99 {r['ttft_p99_s'] * 1e3:8.1f}  "
+                    f"{r['prompt_tokens_per_s']:7.0f} prompt tok/s  vLLM hits "
+                    f"{100 * r['vllm_hit_rate']:5.1f}%  external "
+                    f"{100 * r['external_hit_rate']:5.1f}%  preemptions {r['preemptions']:.0f}"
+                )
         ok = True
     finally:
         if ok and not a.keep:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             print(f"logs and model kept in {tmp}")
-    done = [r for r in rows if "error" not in r]
-    base = next((r for r in done if r["row"] == "noop"), None) or next(
-        (r for r in done if r["row"] == "none"), None
-    )
-    ref = next((r for r in done if r["row"] == "none"), base)
-    for r in done:
-        if ref is not None:
-            same = sum(x == y for x, y in zip(r["tokens"], ref["tokens"], strict=True))
-            r["outputs_identical"] = f"{same}/{len(reqs)}"
-        if base is not None:
-            r["baseline"] = base["row"]
-            for q in ("p50", "p90", "p99"):
-                r[f"ttft_{q}_ratio"] = r[f"ttft_{q}_s"] / base[f"ttft_{q}_s"]
-            r["throughput_ratio"] = r["prompt_tokens_per_s"] / base["prompt_tokens_per_s"]
-    if base is not None:
-        print(f"against {base['row']}:")
-        for r in done:
-            print(
-                f"{r['row']:>7}: TTFT p50 {r['ttft_p50_ratio']:.2f}x  p90 "
-                f"{r['ttft_p90_ratio']:.2f}x  p99 {r['ttft_p99_ratio']:.2f}x  throughput "
-                f"{r['throughput_ratio']:.2f}x  outputs identical {r.get('outputs_identical')}"
-            )
+    rows = summarise(a, runs, len(reqs))
     write_json(
         a.json,
         envelope(
