@@ -99,6 +99,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--native-gib", type=float, default=2.0, help="vLLM's CPU offloading size")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-batched-tokens", type=int, default=4096)
+    p.add_argument("--dtype", default="bfloat16", help="model and KV dtype (bfloat16, float32)")
     p.add_argument("--layers", type=int, default=BENCH_GEOMETRY.layers)
     p.add_argument("--kv-heads", type=int, default=BENCH_GEOMETRY.kv_heads)
     p.add_argument("--start-timeout-s", type=float, default=300.0)
@@ -230,7 +231,7 @@ def _server_args(a: argparse.Namespace, row: str, model: Path, daemon_url: str) 
         "--max-num-seqs", str(a.max_num_seqs),
         "--max-num-batched-tokens", str(max(a.max_batched_tokens, longest)),
         "--num-gpu-blocks-override", str(a.vllm_kv_tokens // VLLM_BLOCK),
-        "--enable-prefix-caching", "--enforce-eager", "--seed", "0",
+        "--enable-prefix-caching", "--enforce-eager", "--seed", "0", "--dtype", a.dtype,
         "--enable-prompt-tokens-details",
     ]  # fmt: skip
     tiers = [{"kind": "host", "capacity_bytes": a.host_bytes}]
@@ -328,7 +329,7 @@ def run_row(
         from kvtier.bench._daemon_load import start_kvtier
 
         geo = replace(BENCH_GEOMETRY, layers=a.layers, kv_heads=a.kv_heads)
-        chunk_bytes = geo.kv_bytes_per_token("bfloat16") * a.chunk_tokens
+        chunk_bytes = geo.kv_bytes_per_token(a.dtype) * a.chunk_tokens
         daemon_url, daemon = start_kvtier(tmp, a.host_bytes, max_value_bytes=chunk_bytes)
     server = Server(_server_args(a, row, model, daemon_url), tmp / f"{row}.log", env)
     try:
@@ -443,7 +444,7 @@ def main(argv: list[str]) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-serve-"))
     model = write_tiny_llama(tmp / "model", geo)
     reqs = load_requests(a, geo.vocab)
-    kv_per_token = geo.kv_bytes_per_token("bfloat16")
+    kv_per_token = geo.kv_bytes_per_token(a.dtype)
     prompt_tokens = sum(len(r.tokens) for r in reqs)
     # Distinct blocks of vLLM's size: what all prefixes together would keep in a cache.
     distinct = len(
