@@ -1,0 +1,512 @@
+"""Serving under load: a Mooncake trace replayed through real vLLM API servers.
+
+    kvtier bench serve --json out.json [--trace mooncake-conversation] [--requests 160]
+        [--conversations 40] [--duration-s 120] [--block-tokens 32] [--vllm-kv-tokens 16384]
+        [--rows none,noop,kvtier,daemon,native] [--no-reuse]
+
+Each row is one ``vllm.entrypoints.openai.api_server`` process started by the
+benchmark (the multi-process engine ``vllm serve`` runs, vLLM's own prefix cache on),
+on the same model, the same prompts and the same arrival times:
+
+* ``none``: no KV connector;
+* ``noop``: a connector that does nothing (``kvtier.bench._noop_connector``): the
+  baseline, since configuring *any* connector changes vLLM's engine apart from caching;
+* ``kvtier``: kvtier's connector with an embedded host tier;
+* ``daemon``: kvtier's connector in daemon mode, against a ``kvtier serve`` started here;
+* ``native``: vLLM's own CPU offloading (``--kv-offloading-size``), where it runs.
+
+The trace's requests become token prompts: each ``hash_id`` (one 512-token block in the
+trace) is a block of ``--block-tokens`` deterministic random tokens, so requests that
+share hash ids share a prefix, and lengths scale by ``block_tokens / 512``. Arrival
+times are compressed so that the slice arrives within ``--duration-s``. Every request
+asks for one greedy token, so its latency is its time to first token (TTFT). A request
+is sent at its arrival time whatever is still in flight (an open-loop load).
+
+Reported per row: TTFT p50/p90/p99, prompt tokens per second over the replay
+(first arrival to last answer), vLLM's local and external (connector) prefix-cache hit
+rates from its ``/metrics``, and whether each request's token equals the ``none`` row's.
+Ratios are against the ``noop`` row (or ``none`` without it). ``--no-reuse`` salts every
+request's tokens so that nothing repeats (the overhead case).
+
+vLLM's KV pool is ``--vllm-kv-tokens`` (``--num-gpu-blocks-override``): choose it below
+the slice's working set to see what a cache below vLLM adds, above it to see that
+nothing is lost when vLLM's own cache suffices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gzip
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench.common import envelope, missing, write_json
+from kvtier.bench.tiny_llama import BENCH_GEOMETRY, TinyLlama, write_tiny_llama
+from kvtier.traces import resolve_trace
+
+ROWS = ("none", "noop", "kvtier", "daemon", "native")
+TRACE_BLOCK_TOKENS = 512  # the Mooncake traces' hash_ids each stand for 512 tokens
+VLLM_BLOCK = 32  # vLLM's block size on the CPU build: a multiple of 32
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One replayed request: when it arrives (s after the first) and its prompt."""
+
+    at_s: float
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What came back for one request."""
+
+    sent_s: float
+    ttft_s: float
+    token: int
+    cached_tokens: int
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvtier bench serve", description=__doc__.splitlines()[0])
+    p.add_argument("--trace", default="mooncake-conversation")
+    p.add_argument(
+        "--conversations", type=int, default=40,
+        help="replay every turn of this many multi-turn conversations (0: a slice instead)",
+    )  # fmt: skip
+    p.add_argument("--start", type=int, default=0, help="with --conversations 0: first request")
+    p.add_argument("--requests", type=int, default=160, help="with --conversations 0: how many")
+    p.add_argument("--duration-s", type=float, default=120.0, help="the slice arrives within this")
+    p.add_argument("--block-tokens", type=int, default=32, help="tokens per trace hash_id")
+    p.add_argument("--max-prompt-tokens", type=int, default=4096)
+    p.add_argument("--no-reuse", action="store_true", help="salt every prompt: nothing repeats")
+    p.add_argument("--rows", default="none,noop,kvtier,daemon,native")
+    p.add_argument("--vllm-kv-tokens", type=int, default=16384, help="vLLM's own KV pool")
+    p.add_argument("--host-bytes", default="2GiB", help="kvtier's host tier")
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--native-gib", type=float, default=2.0, help="vLLM's CPU offloading size")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-batched-tokens", type=int, default=4096)
+    p.add_argument("--dtype", default="bfloat16", help="model and KV dtype (bfloat16, float32)")
+    p.add_argument("--layers", type=int, default=BENCH_GEOMETRY.layers)
+    p.add_argument("--kv-heads", type=int, default=BENCH_GEOMETRY.kv_heads)
+    p.add_argument("--start-timeout-s", type=float, default=300.0)
+    p.add_argument("--repeat", type=int, default=1, help="runs of every row, order alternating")
+    p.add_argument("--keep", action="store_true", help="keep the servers' logs and the model")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    a.rows = [r for r in a.rows.split(",") if r]
+    bad = [r for r in a.rows if r not in ROWS]
+    if bad:
+        p.error(f"unknown rows {bad}; choose from {','.join(ROWS)}")
+    if a.block_tokens < 1 or a.requests < 1 or a.duration_s <= 0:
+        p.error("--block-tokens and --requests must be >= 1, --duration-s > 0")
+    return a
+
+
+def _conversations(rows: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:
+    """Every turn of the first ``k`` conversations with two turns or more, in trace order.
+
+    A conversation is the requests that share their first two blocks (the first is the
+    trace's common system prompt); its later turns extend its earlier ones.
+    """
+    turns: dict[tuple[int, ...], list[int]] = {}
+    for i, r in enumerate(rows):
+        turns.setdefault(tuple(r["hash_ids"][:2]), []).append(i)
+    chosen = sorted((v for v in turns.values() if len(v) >= 2), key=lambda v: v[0])[:k]
+    return [rows[i] for i in sorted(i for v in chosen for i in v)]
+
+
+def load_requests(a: argparse.Namespace, vocab: int) -> list[Request]:
+    """The trace's requests as token prompts, arrivals compressed into ``a.duration_s``."""
+    path = resolve_trace(a.trace)
+    opener: Any = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        every = [json.loads(line) for line in f if line.strip()]
+    if a.conversations > 0:
+        rows = _conversations(every, a.conversations)
+    else:
+        rows = every[a.start : a.start + a.requests]
+    if not rows:
+        raise SystemExit(f"no requests chosen from {a.trace}")
+    t0 = rows[0]["timestamp"]
+    span_ms = max(1, rows[-1]["timestamp"] - t0)
+    scale = a.duration_s / (span_ms / 1000.0)
+    blocks: dict[int, list[int]] = {}
+
+    def block(h: int) -> list[int]:
+        if h not in blocks:
+            rng = random.Random(h * 7919 + 17)
+            blocks[h] = [rng.randrange(3, vocab) for _ in range(a.block_tokens)]
+        return blocks[h]
+
+    out: list[Request] = []
+    for i, r in enumerate(rows):
+        n = round(r["input_length"] * a.block_tokens / TRACE_BLOCK_TOKENS)
+        n = max(VLLM_BLOCK, min(a.max_prompt_tokens, n))
+        toks = [t for h in r["hash_ids"] for t in block(h)][:n]
+        if len(toks) < n:  # the trace's last block may be longer than its ids say
+            toks += block(-1 - i)[: n - len(toks)]
+        if a.no_reuse:
+            rng = random.Random(1_000_003 * (a.start + i) + 1)
+            toks = [rng.randrange(3, vocab) for _ in toks]
+        at_s = (r["timestamp"] - t0) / 1000.0 * scale
+        out.append(Request(at_s, tuple(toks)))
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Server:
+    """One vLLM API server process (its own process group, so a stop takes its engine)."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str]) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args,
+                 "--host", "127.0.0.1", "--port", str(self.port)],
+                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )  # fmt: skip
+
+    def wait_ready(self, timeout_s: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                text = self.log.read_text(errors="replace")
+                # The root cause, not the launcher's "initialization failed" after it.
+                cause = [
+                    ln for ln in text.splitlines()
+                    if "Error: " in ln and "Engine core initialization failed" not in ln
+                ]  # fmt: skip
+                why = cause[0].split("] ", 1)[-1].strip() if cause else "see the log"
+                raise RuntimeError(f"server exited ({self.proc.returncode}): {why}\n{text[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server not ready in {timeout_s:.0f} s; see {self.log}")
+            time.sleep(1.0)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def _server_args(a: argparse.Namespace, row: str, model: Path, daemon_url: str) -> list[str]:
+    longest = a.max_prompt_tokens + 64
+    args = [
+        "--model", str(model), "--load-format", "safetensors", "--skip-tokenizer-init",
+        "--block-size", str(VLLM_BLOCK), "--max-model-len", str(longest),
+        "--max-num-seqs", str(a.max_num_seqs),
+        "--max-num-batched-tokens", str(max(a.max_batched_tokens, longest)),
+        "--num-gpu-blocks-override", str(a.vllm_kv_tokens // VLLM_BLOCK),
+        "--enable-prefix-caching", "--enforce-eager", "--seed", "0", "--dtype", a.dtype,
+        "--enable-prompt-tokens-details",
+    ]  # fmt: skip
+    tiers = [{"kind": "host", "capacity_bytes": a.host_bytes}]
+    ktc: dict[str, Any] | None = None
+    if row == "noop":
+        ktc = {"kv_connector": "NoopConnector", "kv_role": "kv_both",
+               "kv_connector_module_path": "kvtier.bench._noop_connector"}  # fmt: skip
+    elif row in ("kvtier", "daemon"):
+        extra: dict[str, Any] = {"store.chunk_tokens": a.chunk_tokens, "tiers": tiers}
+        if row == "daemon":
+            extra["url"] = daemon_url
+        ktc = {"kv_connector": "KVTierConnector", "kv_role": "kv_both",
+               "kv_connector_module_path": "kvtier.connectors.vllm",
+               "kv_connector_extra_config": extra}  # fmt: skip
+    elif row == "native":
+        args += ["--kv-offloading-size", str(a.native_gib), "--kv-offloading-backend", "native"]
+    if ktc is not None:
+        args += ["--kv-transfer-config", json.dumps(ktc)]
+    return args
+
+
+def _metrics(url: str) -> dict[str, float]:
+    """vLLM's prefix-cache counters (summed over label sets)."""
+    import httpx
+
+    want = (
+        "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+        "vllm:external_prefix_cache_queries_total", "vllm:external_prefix_cache_hits_total",
+        "vllm:num_preemptions_total",
+    )  # fmt: skip
+    out = dict.fromkeys(want, 0.0)
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def _replay(url: str, model: str, reqs: list[Request]) -> list[Answer]:
+    """Send each request at its arrival time (open loop); one greedy token each."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(reqs) + 8, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=1800.0, limits=limits) as client:
+        t0 = time.perf_counter()
+
+        async def one(r: Request) -> Answer:
+            delay = r.at_s - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            sent = time.perf_counter()
+            body = {"model": model, "prompt": list(r.tokens), "max_tokens": 1,
+                    "temperature": 0, "ignore_eos": True, "detokenize": False,
+                    "return_token_ids": True}  # fmt: skip
+            resp = await client.post(url + "/v1/completions", json=body)
+            resp.raise_for_status()
+            out = resp.json()
+            done = time.perf_counter()
+            details = out["usage"].get("prompt_tokens_details") or {}
+            return Answer(
+                sent_s=sent - t0,
+                ttft_s=done - sent,
+                token=int(out["choices"][0]["token_ids"][0]),
+                cached_tokens=int(details.get("cached_tokens") or 0),
+            )
+
+        return list(await asyncio.gather(*(one(r) for r in reqs)))
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    k = (len(s) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _warm(url: str, model: str, vocab: int) -> None:
+    """Two requests of their own tokens: the first forward passes' one-off costs."""
+    rng = random.Random(99)
+    warm = [Request(0.0, tuple(rng.randrange(3, vocab) for _ in range(256))) for _ in range(2)]
+    asyncio.run(_replay(url, model, warm))
+
+
+def run_row(
+    a: argparse.Namespace, row: str, model: Path, reqs: list[Request], tmp: Path, vocab: int
+) -> dict[str, Any]:
+    """Start the row's server(s), replay, read the counters, stop; the row's figures."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="4")
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    daemon = None
+    daemon_url = ""
+    if row == "daemon":
+        from kvtier.bench._daemon_load import start_kvtier
+
+        geo = replace(BENCH_GEOMETRY, layers=a.layers, kv_heads=a.kv_heads)
+        chunk_bytes = geo.kv_bytes_per_token(a.dtype) * a.chunk_tokens
+        daemon_url, daemon = start_kvtier(tmp, a.host_bytes, max_value_bytes=chunk_bytes)
+    server = Server(_server_args(a, row, model, daemon_url), tmp / f"{row}.log", env)
+    try:
+        server.wait_ready(a.start_timeout_s)
+        _warm(server.url, str(model), vocab)
+        before = _metrics(server.url)
+        t0 = time.perf_counter()
+        answers = asyncio.run(_replay(server.url, str(model), reqs))
+        wall = time.perf_counter() - t0
+        after = _metrics(server.url)
+    finally:
+        server.stop()
+        if daemon is not None:
+            daemon.send_signal(signal.SIGTERM)
+            try:
+                daemon.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+    d = {k: after[k] - before[k] for k in after}
+    ttft = [x.ttft_s for x in answers]
+    prompt_tokens = sum(len(r.tokens) for r in reqs)
+    last_done = max(x.sent_s + x.ttft_s for x in answers)
+
+    def rate(hits: str, queries: str) -> float:
+        return d[hits] / d[queries] if d[queries] else 0.0
+
+    return {
+        "row": row,
+        "ttft_p50_s": _pct(ttft, 0.5),
+        "ttft_p90_s": _pct(ttft, 0.9),
+        "ttft_p99_s": _pct(ttft, 0.99),
+        "ttft_mean_s": statistics.fmean(ttft),
+        "prompt_tokens_per_s": prompt_tokens / last_done,
+        "requests_per_s": len(reqs) / last_done,
+        "replay_wall_s": wall,
+        "vllm_hit_rate": rate("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
+        "external_hit_rate": rate(
+            "vllm:external_prefix_cache_hits_total", "vllm:external_prefix_cache_queries_total"
+        ),
+        "cached_tokens": sum(x.cached_tokens for x in answers),
+        "preemptions": d["vllm:num_preemptions_total"],
+        "counters": d,
+        "tokens": [x.token for x in answers],
+        "ttft_s": ttft,
+    }
+
+
+def summarise(a: argparse.Namespace, runs: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """Per row: the median over repeats of each figure and of its ratio to the baseline
+    of the same repeat; outputs compared with the ``none`` row of the same repeat."""
+    done = [r for r in runs if "error" not in r]
+    rows_run = {r["row"] for r in done}
+    base = "noop" if "noop" in rows_run else "none" if "none" in rows_run else None
+    by = {(r["row"], r["repeat"]): r for r in done}
+    out: list[dict[str, Any]] = []
+    # Each figure and the name of its ratio to the baseline.
+    ratios = {
+        "ttft_p50_s": "ttft_p50_ratio",
+        "ttft_p90_s": "ttft_p90_ratio",
+        "ttft_p99_s": "ttft_p99_ratio",
+        "prompt_tokens_per_s": "throughput_ratio",
+    }
+    for row in a.rows:
+        mine = [r for r in done if r["row"] == row]
+        if not mine:
+            out.append({"row": row, "errors": [r["error"] for r in runs if r["row"] == row]})
+            continue
+        s: dict[str, Any] = {"row": row, "repeats": len(mine), "baseline": base}
+        for f in (*ratios, "vllm_hit_rate", "external_hit_rate", "cached_tokens", "preemptions"):
+            s[f] = statistics.median(r[f] for r in mine)
+        same = total = 0
+        for r in mine:
+            ref = by.get(("none", r["repeat"]))
+            if ref is not None:
+                same += sum(x == y for x, y in zip(r["tokens"], ref["tokens"], strict=True))
+                total += n
+            b = by.get((base, r["repeat"])) if base else None
+            if b is not None:
+                for f, name in ratios.items():
+                    r[name] = r[f] / b[f]
+        s["outputs_identical"] = f"{same}/{total}"
+        for key in ratios.values():
+            vals = [r[key] for r in mine if key in r]
+            if vals:
+                s[key] = statistics.median(vals)
+                s[key + "s"] = vals
+        s["runs"] = mine
+        out.append(s)
+    if base is not None:
+        print(f"against {base}, median over {a.repeat} repeat(s):")
+        for s in out:
+            if "ttft_p50_ratio" in s:
+                print(
+                    f"{s['row']:>7}: TTFT p50 {s['ttft_p50_ratio']:.2f}x  p90 "
+                    f"{s['ttft_p90_ratio']:.2f}x  p99 {s['ttft_p99_ratio']:.2f}x  throughput "
+                    f"{s['throughput_ratio']:.2f}x  outputs identical to none "
+                    f"{s['outputs_identical']}"
+                )
+    return out
+
+
+def main(argv: list[str]) -> int:
+    a = _args(argv)
+    if missing("vllm", "every serve row", "pip install 'kvtier[vllm]'"):
+        return 0
+    if missing("httpx", "every serve row", "pip install 'kvtier[service]'"):
+        return 0
+    geo: TinyLlama = replace(
+        BENCH_GEOMETRY, layers=a.layers, kv_heads=a.kv_heads,
+        max_positions=max(8192, a.max_prompt_tokens + 128),
+    )  # fmt: skip
+    tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-serve-"))
+    model = write_tiny_llama(tmp / "model", geo)
+    reqs = load_requests(a, geo.vocab)
+    kv_per_token = geo.kv_bytes_per_token(a.dtype)
+    prompt_tokens = sum(len(r.tokens) for r in reqs)
+    # Distinct blocks of vLLM's size: what all prefixes together would keep in a cache.
+    distinct = len(
+        {
+            r.tokens[: i + VLLM_BLOCK]
+            for r in reqs
+            for i in range(0, len(r.tokens) - VLLM_BLOCK + 1, VLLM_BLOCK)
+        }
+    )
+    print(
+        f"{len(reqs)} requests of {a.trace} ("
+        + (f"{a.conversations} conversations" if a.conversations > 0 else f"from #{a.start}")
+        + f") in {a.duration_s:.0f} s, "
+        f"{prompt_tokens} prompt tokens ({prompt_tokens / len(reqs):.0f} per request), "
+        f"working set {distinct * VLLM_BLOCK} tokens = "
+        f"{distinct * VLLM_BLOCK * kv_per_token / 2**20:.0f} MiB of KV; vLLM's pool "
+        f"{a.vllm_kv_tokens} tokens" + (" (no reuse)" if a.no_reuse else "")
+    )
+    runs: list[dict[str, Any]] = []  # one per row and repeat, in the order run
+    ok = False
+    try:
+        for rep in range(a.repeat):
+            # Every other repeat runs the rows backwards: a drift of the machine's load
+            # then hits each row from both sides (the rows' ratios are per repeat).
+            order = a.rows if rep % 2 == 0 else a.rows[::-1]
+            for row in order:
+                try:
+                    r = run_row(a, row, model, reqs, tmp, geo.vocab)
+                except RuntimeError as exc:
+                    print(f"{row}: not run: {str(exc).splitlines()[0]}")
+                    runs.append({"row": row, "repeat": rep, "error": str(exc)[-2000:]})
+                    continue
+                r["repeat"] = rep
+                runs.append(r)
+                print(
+                    f"{row:>7} #{rep}: TTFT p50 {r['ttft_p50_s'] * 1e3:8.1f} ms  p90 "
+                    f"{r['ttft_p90_s'] * 1e3:8.1f}  p99 {r['ttft_p99_s'] * 1e3:8.1f}  "
+                    f"{r['prompt_tokens_per_s']:7.0f} prompt tok/s  vLLM hits "
+                    f"{100 * r['vllm_hit_rate']:5.1f}%  external "
+                    f"{100 * r['external_hit_rate']:5.1f}%  preemptions {r['preemptions']:.0f}"
+                )
+        ok = True
+    finally:
+        if ok and not a.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            print(f"logs and model kept in {tmp}")
+    rows = summarise(a, runs, len(reqs))
+    write_json(
+        a.json,
+        envelope(
+            "serve",
+            rows,
+            geometry=asdict(geo),
+            options=vars(a),
+            requests=len(reqs),
+            prompt_tokens=prompt_tokens,
+            working_set_tokens=distinct * VLLM_BLOCK,
+        ),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
