@@ -8,7 +8,7 @@
  * WorkQueue: the task queue of the store's I/O threads (kvtier/store/executor.py, whose
  * fallback is a ThreadPoolExecutor). Its workers wait, and find out whether a task is
  * left for them, without holding the GIL: a task that its waiter took back (take())
- * costs the woken worker no GIL hand-over, which on a small VM costs more than the
+ * costs the woken worker no GIL hand-over, which on a small machine costs more than the
  * copy of a 256 KiB value. A task becomes due `grace` seconds after put() (or at once,
  * after hurry()), so a caller that waits at once takes its task before a worker starts it.
  *

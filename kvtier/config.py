@@ -42,7 +42,7 @@ T = TypeVar("T")
 
 ENV_PREFIX = "KVTIER_"
 MAX_SIZE_BYTES = 1 << 62  # far past any machine; larger sizes overflow allocators
-# The one environment variable without the nested form: people type it (issue 12). It is
+# The one environment variable without the nested form: people type it. It is
 # service.data_dir, like KVTIER_SERVICE__DATA_DIR (which wins when both are set).
 DATA_DIR_ENV = "KVTIER_DATA_DIR"
 

@@ -24,7 +24,7 @@ def spec_from_model(model: ModelConfig) -> KVSpec:
         dtype = DType.parse(model.dtype) if model.dtype else base.dtype
         return dataclasses.replace(base, dtype=dtype, tp_rank=model.tp_rank, tp_size=model.tp_size)
     if not Path(model.name).expanduser().exists():
-        # A typo of a preset name is far likelier than a missing config.json (issue 12).
+        # A typo of a preset name is far likelier than a missing config.json.
         raise SpecError(
             f"model.name {model.name!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
             "nor an existing Hugging Face config.json (or its folder): set one of those"

@@ -2,8 +2,8 @@
 
 KV-cache bytes are a tenant's data (prompts can be rebuilt from them), and the key salt
 is a secret: slab, journal and salt files are created ``0600`` and the directories
-kvtier creates for them ``0700`` (issue 11: another local user read a tenant's bytes
-from a ``0644`` slab).
+kvtier creates for them ``0700``: with ``0644`` another local user could read a
+tenant's bytes from a slab (tests/tiers/nvme/test_faults.py, test_data_at_rest_is_private).
 """
 
 from __future__ import annotations

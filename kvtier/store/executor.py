@@ -1,7 +1,7 @@
 """Where the store's operations run: its I/O threads, or the thread that waits for them.
 
-A hand-off to a sleeping I/O thread and back costs two wake-ups: 70-230 us on a small VM,
-more than a 2 MiB memcpy. Most callers wait at once (the vLLM worker's load and save
+A hand-off to a sleeping I/O thread and back costs two wake-ups, which on a small machine
+cost more than a 2 MiB memcpy (docs/benchmarks.md). Most callers wait at once (the vLLM worker's load and save
 threads, the LMCache plug-in, the calculator), so :class:`StealingExecutor` lets the
 waiter do the work itself when no I/O thread has begun it yet: ``result()`` claims the
 task and runs it on the calling thread. A caller that does not wait (callbacks,
@@ -42,7 +42,7 @@ T = TypeVar("T")
 GRACE_S = 200e-6
 """How long a queued task waits for its caller to take it back before an I/O thread may
 start it: longer than a caller needs from ``submit`` to ``result()`` (a whole waited-for
-no-op takes 10-14 us on the 2-core VM), short against any transfer it delays (a caller
+no-op takes a small fraction of it), short against any transfer it delays (a caller
 that does not wait, and sets no callback)."""
 
 
@@ -76,8 +76,8 @@ class _Task(Future[T], Generic[T]):
     made on first need: when a thread other than the one running the task waits for it,
     cancels it or adds a callback. Until then nobody can be waiting, so the running
     thread moves the state itself, under :data:`_LAZY`, without the condition or a
-    notify; a waiter that runs its own task (the common case) never makes one. That is
-    about 12 of the 19-22 us a waited-for no-op took on the 2-core VM.
+    notify; a waiter that runs its own task (the common case) never makes one, which was
+    most of a waited-for no-op's cost (``kvtier bench host --profile``).
     """
 
     def __init__(
@@ -259,8 +259,8 @@ class Finished(Future[T]):
     """A future born finished, with its result or exception.
 
     A :class:`~concurrent.futures.Future` makes a :class:`threading.Condition` (a Python
-    object, and a lock) in its constructor, and ``set_result`` notifies it: about 10 us
-    of the 2-core VM's time per operation, for a future nobody waits on, since it is
+    object, and a lock) in its constructor, and ``set_result`` notifies it: a cost per
+    operation comparable to a small copy, for a future nobody waits on, since it is
     finished before anyone sees it. Born finished, it never waits or notifies, so it
     shares one condition for the few lines ``Future``'s methods hold it; every method
     still works (``result``, ``exception``, ``add_done_callback``, ``cancel`` (False),

@@ -61,7 +61,7 @@ def auto_copy_threads(cores: int | None = None) -> int:
 
     One core's memcpy leaves DRAM bandwidth unused, but the cores also serve the I/O
     threads and whatever shares the host (an inference engine): a quarter of them, and
-    no split at all below 8 cores (the 2-core VM measured no gain under shared load).
+    no split at all below 8 cores, where a split measured no gain under shared load.
     """
     if cores is None:
         try:

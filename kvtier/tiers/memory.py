@@ -37,8 +37,8 @@ _libc.madvise.restype = ctypes.c_int
 def populate(mm: mmap.mmap) -> bool:
     """Fault every page of ``mm`` in for writing, without holding the GIL: ctypes lets
     it go around the call, where ``mmap.mmap(..., MAP_POPULATE)`` and ``mm.madvise``
-    hold it (a 1 GiB populate stalled every thread of the daemon, its event loop too,
-    for 140 ms). False where the kernel refuses the advice (before 5.14): the pages
+    hold it (populating a large arena at once stalled every thread of the daemon, its
+    event loop too). False where the kernel refuses the advice (before 5.14): the pages
     then fault in on first use."""
     anchor = ctypes.c_char.from_buffer(mm)  # an export of ``mm``, gone with ``anchor``
     try:
