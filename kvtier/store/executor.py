@@ -1,13 +1,14 @@
 """Where the store's operations run: its I/O threads, or the thread that waits for them.
 
-A hand-off to a sleeping I/O thread and back costs two wake-ups, which on a small machine
-cost more than a 2 MiB memcpy (docs/benchmarks.md). Most callers wait at once (the vLLM worker's load and save
-threads, the LMCache plug-in, the calculator), so :class:`StealingExecutor` lets the
-waiter do the work itself when no I/O thread has begun it yet: ``result()`` claims the
-task and runs it on the calling thread. A caller that does not wait (callbacks,
-``asyncio.wrap_future``, a ``result`` with a timeout) gets the I/O thread as before, and
-tasks submitted together still run in parallel: the waiter takes the one it waits for,
-the threads the rest. Whoever claims first runs the task; the other finds it taken.
+A hand-off to a sleeping I/O thread and back costs two wake-ups, which on a small
+machine cost more than a 2 MiB memcpy (docs/benchmarks.md). Most callers wait at once
+(the vLLM worker's load and save threads, the LMCache plug-in, the calculator), so
+:class:`StealingExecutor` lets the waiter do the work itself when no I/O thread has
+begun it yet: ``result()`` claims the task and runs it on the calling thread. A caller
+that does not wait (callbacks, ``asyncio.wrap_future``, a ``result`` with a timeout)
+gets the I/O thread as before, and tasks submitted together still run in parallel: the
+waiter takes the one it waits for, the threads the rest. Whoever claims first runs the
+task; the other finds it taken.
 
 Even a task its waiter took back costs the I/O thread that was woken for it the GIL: it
 must run Python to find the task claimed, and on two cores that hand-over of the GIL
