@@ -30,6 +30,7 @@ from kvtier.config import KVTierConfig
 from kvtier.factory import Built, build_store
 
 from . import errors, wire
+from .core import RequestCore
 from .daemon import Daemon
 from .fastpath import FastPath
 from .guards import Gate
@@ -64,6 +65,7 @@ def create_app(cfg: KVTierConfig, *, built: Built | None = None) -> FastAPI:
     if built is None:
         built = build_store(cfg, chunk_bytes=cfg.service.max_value_bytes or None)
     d = Daemon(built, cfg)
+    core = RequestCore(d)
     app = FastAPI(
         title="kvtier daemon",
         version=API_VERSION,
@@ -73,14 +75,15 @@ def create_app(cfg: KVTierConfig, *, built: Built | None = None) -> FastAPI:
         responses=_ERRORS,
     )
     app.state.daemon = d
+    app.state.core = core
     errors.install(app)
     for area in (ops, chunks, batch):
-        app.include_router(area.router(d))
+        app.include_router(area.router(core))
     _document(app)
     # Added innermost first: metrics see every request, including those the gate refuses
     # and those the fast path answers.
-    app.add_middleware(FastPath, daemon=d)  # type: ignore[arg-type]
-    app.add_middleware(Gate, daemon=d)  # type: ignore[arg-type]
+    app.add_middleware(FastPath, core=core)  # type: ignore[arg-type]
+    app.add_middleware(Gate, core=core)  # type: ignore[arg-type]
     app.add_middleware(MetricsMiddleware, metrics=d.metrics)  # type: ignore[arg-type]
     return app
 

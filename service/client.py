@@ -39,6 +39,7 @@ from kvtier.store.types import LookupResult, PutResult
 from . import protocol as p
 from . import wire
 from .protocol import Call, Fetched, KeyLike, Op, Reply, RetryPolicy
+from .routes import table as routes
 from .shm_client import SameHost, SameHostDown
 from .transport import HTTP11Transport, RawHTTP
 
@@ -214,7 +215,7 @@ def is_loopback(url: str) -> bool:
 
 
 def _op_same_host() -> Op[str | None]:
-    reply = yield Call("GET", "/v1/same-host")
+    reply = yield p.call(routes.SAME_HOST)
     if reply.status == 404:  # a daemon from before the same-host channel
         return None
     p.check(reply)

@@ -25,18 +25,15 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvtier.store.types import PutResult
-
-from .daemon import Daemon
-from .direct import not_found
+from .core import Answer, RequestCore, bad_length, error_answer
 from .errors import reply_for, send_error
 from .headlimit import BODY_INTO, BodyInto
 from .limits import BODY_BYTES, TENANT
-from .schemas import KEY_PATTERN
+from .routes.table import BATCH_GET as BATCH_GET_ROUTE
+from .routes.table import CHUNK_TEMPLATE, KEY_PATTERN, chunk_key
 
-_CHUNK_PATH = re.compile(r"/v1/chunks/([0-9a-fA-F]{32})")
 _KEY = re.compile(KEY_PATTERN)
-BATCH_GET = "/v1/batch/get"
+BATCH_GET = BATCH_GET_ROUTE.template
 OCTET = b"application/octet-stream"
 
 
@@ -47,30 +44,29 @@ class _Route:
         self.path = path
 
 
-_ROUTE = _Route("/v1/chunks/{key}")
+_ROUTE = _Route(CHUNK_TEMPLATE)
 _BATCH_ROUTE = _Route(BATCH_GET)
 
 
 class FastPath:
-    def __init__(self, app: ASGIApp, daemon: Daemon) -> None:
+    def __init__(self, app: ASGIApp, core: RequestCore) -> None:
         self.app = app
-        self.d = daemon
+        self.core = core
+        self.d = core.d
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] in ("GET", "PUT"):
-            m = _CHUNK_PATH.fullmatch(scope["path"])
+            key = chunk_key(scope["path"])
             tenant = scope.get(TENANT)
-            if m is not None and tenant is not None:
+            if key is not None and tenant is not None:
                 if scope["method"] == "GET":
                     scope["route"] = _ROUTE
-                    await self._answer(self._get(tenant, m.group(1), send), send)
+                    await self._answer(self._get(tenant, key, send), send)
                     return
                 length = _content_length(dict(scope["headers"]))
                 if length is not None and 0 < length <= self.d.limits.max_value_bytes:
                     scope["route"] = _ROUTE
-                    await self._answer(
-                        self._put(scope, tenant, m.group(1), length, receive, send), send
-                    )
+                    await self._answer(self._put(scope, tenant, key, length, receive, send), send)
                     return
         elif scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == BATCH_GET:
             tenant = scope.get(TENANT)
@@ -106,17 +102,13 @@ class FastPath:
             await send_error(send, reply)
 
     async def _get(self, tenant: Any, key: str, send: Send) -> None:
-        value = await self.d.get_value(tenant, key)
-        if value is None:
-            await _respond(send, 404, b"application/json", not_found(key))
-            return
-        await _respond(send, 200, OCTET, value)
+        await _send(send, await self.core.get(tenant, key))
 
     async def _put(
         self, scope: Scope, tenant: Any, key: str, length: int, receive: Receive, send: Send
     ) -> None:
         scope_into: BodyInto | None = scope.get(BODY_INTO)
-        res = self.d.reserve(tenant, key, length)
+        res = self.core.reserve(tenant, key, length)
         if res is None:
             # The store cannot give a slot to fill in place (present key, full top tier,
             # a tier behind I/O): receive into one buffer and let the store copy it.
@@ -124,19 +116,19 @@ class FastPath:
             got = await _receive_into(buf.data, receive)
             if got == length:
                 scope[BODY_BYTES] = got
-                await _put_answer(send, await self.d.put_value(tenant, key, buf.data))
+                await _send(send, await self.core.put(tenant, key, buf.data))
             else:
-                await _bad_length(send, got)
+                await _send(send, error_answer(bad_length()))
             return
         try:
             # One copy in the daemon: from the parser's pieces into the tier's slot.
             got = await (scope_into(res.view) if scope_into else _receive_into(res.view, receive))
             if got != length:
                 res.abort()
-                await _bad_length(send, got)
+                await _send(send, error_answer(bad_length()))
                 return
             scope[BODY_BYTES] = got
-            await _put_answer(send, self.d.commit(tenant, res))
+            await _send(send, self.core.commit(tenant, res))
         finally:
             res.abort()  # a no-op once committed
 
@@ -203,23 +195,6 @@ def _batch_keys(body: bytes) -> list[str] | None:
     return keys
 
 
-async def _bad_length(send: Send, got: int) -> None:
-    # -1 also covers a client that went away: the answer then goes nowhere, harmlessly.
-    await _error(send, 400, "bad_length", "body length differs from its Content-Length")
-
-
-async def _put_answer(send: Send, res: PutResult) -> None:
-    body = json.dumps(
-        {
-            "stored": res.stored,
-            "present": res.present,
-            "rejected": res.rejected,
-            "failed": res.failed,
-        }
-    )
-    await _respond(send, 200, b"application/json", body.encode())
-
-
 def _content_length(headers: dict[bytes, bytes]) -> int | None:
     raw = headers.get(b"content-length")
     if raw is None or b"transfer-encoding" in headers:
@@ -244,6 +219,9 @@ async def _respond(send: Send, status: int, content_type: bytes, body: bytes | m
     await send({"type": "http.response.body", "body": body})
 
 
-async def _error(send: Send, status: int, code: str, message: str) -> None:
-    body = json.dumps({"code": code, "message": message}).encode()
-    await _respond(send, status, b"application/json", body)
+async def _send(send: Send, answer: Answer) -> None:
+    headers = [(b"content-length", str(len(answer.body)).encode()), *answer.headers]
+    if answer.content_type is not None:
+        headers.append((b"content-type", answer.content_type))
+    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+    await send({"type": "http.response.body", "body": answer.body})

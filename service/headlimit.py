@@ -49,6 +49,8 @@ from uvicorn.protocols.http.httptools_impl import (
     RequestResponseCycle,
 )
 
+from .core import Answer
+
 log = logging.getLogger(__name__)
 
 _END = b"\r\n\r\n"
@@ -60,10 +62,6 @@ Returns the body's length when it filled ``view`` exactly, or -1 (the client wen
 or sent more or fewer bytes than ``view`` holds). Call it at most once, before any
 ``receive()``; servers other than the daemon's leave the key out."""
 BodyInto = Callable[[memoryview], Awaitable[int]]
-
-Answer = tuple[int, list[tuple[bytes, bytes]], bytes | memoryview]
-"""(status, headers, body) of an answer given in the protocol; it adds the date and the
-content length."""
 
 
 class HeldAnswer(Protocol):
@@ -302,7 +300,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         except Exception:  # a bug there must not become the parser's 400: ASGI answers
             log.exception("a direct answer failed; the request takes the ASGI path")
             return False
-        if isinstance(answer, tuple):
+        if isinstance(answer, Answer):
             self._write(answer)
             return True
         if answer is not None:
@@ -364,8 +362,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.on_response_complete()
 
     def _write(self, answer: Answer) -> None:
-        status, headers, body = answer
-        self.transport.writelines([self._head_bytes_of(status, headers, len(body)), body])
+        headers = [(b"content-type", answer.content_type)] if answer.content_type else []
+        head = self._head_bytes_of(answer.status, [*headers, *answer.headers], len(answer.body))
+        self.transport.writelines([head, answer.body])
         self._answered()
 
     # -- limits ----------------------------------------------------------------------------

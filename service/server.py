@@ -91,7 +91,7 @@ def serve(cfg: KVTierConfig) -> None:
             # service.header_timeout_s), and answers one-chunk GETs and PUTs of
             # memory tiers below ASGI.
             http=protocol_class(
-                s.max_header_bytes, s.header_timeout_s, DirectAnswers(app.state.daemon)
+                s.max_header_bytes, s.header_timeout_s, DirectAnswers(app.state.core)
             ),
             log_level=cfg.log_level.lower(),
             # uvicorn's records propagate to the one handler kvtier set up (one format,
