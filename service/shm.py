@@ -54,7 +54,7 @@ from kvtier.keys import ChunkKey
 from kvtier.tiers.memory import owner_pid, pid_alive, populate
 
 from . import shm_wire as w
-from .daemon import Daemon
+from .core import RequestCore
 from .tenants import Tenant
 
 log = logging.getLogger(__name__)
@@ -276,7 +276,7 @@ class SameHostServer:
     """Serves the same-host channel of one daemon until :meth:`close`.
 
     Args:
-        d: the daemon (store, tenants, limits, counters).
+        core: the daemon's request core (its token check; its daemon: store, tenants, limits).
         path: the socket's path (an existing file there is replaced).
         own_dir: a directory the server made for the socket and removes at close.
         max_region_bytes: the largest mapping a client may hand over.
@@ -285,8 +285,11 @@ class SameHostServer:
         OSError: the socket cannot be bound.
     """
 
-    def __init__(self, d: Daemon, path: Path, own_dir: Path | None, max_region_bytes: int) -> None:
-        self.d = d
+    def __init__(
+        self, core: RequestCore, path: Path, own_dir: Path | None, max_region_bytes: int
+    ) -> None:
+        self.core = core
+        self.d = d = core.d
         self.path = path
         self._own_dir = own_dir
         self.max_region_bytes = max_region_bytes
@@ -314,14 +317,14 @@ class SameHostServer:
         self._acceptor.start()
 
     @classmethod
-    def start(cls, d: Daemon, setting: str, max_region_bytes: int) -> SameHostServer | None:
+    def start(cls, core: RequestCore, setting: str, max_region_bytes: int) -> SameHostServer | None:
         """The server ``service.socket`` asks for; None when off or when it cannot bind
         (logged: the daemon then serves HTTP only)."""
         try:
             where = socket_path(setting)
             if where is None:
                 return None
-            server = cls(d, where[0], where[1], max_region_bytes)
+            server = cls(core, where[0], where[1], max_region_bytes)
         except (OSError, KVTierError) as exc:
             log.warning("same-host socket %r not available, serving HTTP only: %s", setting, exc)
             return None
@@ -468,7 +471,7 @@ class SameHostServer:
         if op is w.Op.HELLO:
             if tenant is not None:
                 raise Refused(w.Status.BAD_REQUEST, "HELLO twice")
-            t = self.d.auth.authenticate(f"Bearer {payload.decode('utf-8', 'replace')}")
+            t = self.core.tenant(f"Bearer {payload.decode('utf-8', 'replace')}")
             if t is None:
                 raise Refused(w.Status.UNAUTHORIZED, "a valid bearer token is required")
             info = {
