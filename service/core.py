@@ -38,7 +38,7 @@ from kvtier.store.types import GetResult, PutResult
 
 from .daemon import INLINE_GET_BYTES, Daemon
 from .errors import ApiError, ErrorReply, reply_for
-from .routes.table import CHUNK_TEMPLATE, BodyLimit, protected, route_of
+from .routes.table import BATCH_PUT, CHUNK_TEMPLATE, BodyLimit, protected, route_of
 from .tenants import Tenant
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class RequestCore:
         """The largest body a request to ``path`` may send, and the setting that says so."""
         route = route_of(method, path)
         kind = route.body if route is not None else BodyLimit.KEYS
-        if route is None and path == "/v1/batch/put":  # any method: the same bound
+        if route is None and path == BATCH_PUT.template:  # any method: the same bound
             kind = BodyLimit.BATCH
         return self._limits[kind], kind.value
 

@@ -229,7 +229,7 @@ class DataPlaneProtocol(HttpToolsProtocol):
 
     def _get(self, core: RequestCore) -> bool:
         taken = self._admitted(core, "GET")
-        if taken is None or taken[1].length is not None:
+        if taken is None or taken[1].length:
             return False  # a GET with a body: the routes' business
         tenant, _, key = taken
         t0 = time.perf_counter()

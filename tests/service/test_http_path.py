@@ -183,6 +183,18 @@ def test_a_get_answered_below_asgi_is_the_answer_asgi_gives(daemon: Daemon) -> N
         assert _series(h, _GET_200) - ok == 2
 
 
+def test_a_get_declaring_an_empty_body_is_answered_below_asgi(daemon: Daemon) -> None:
+    k, v = key(), os.urandom(1000)
+    with httpx.Client(base_url=daemon.url, timeout=20) as h:
+        assert h.put(f"/v1/chunks/{k}", content=v).status_code == 200
+        direct = _series(h, _DIRECT)
+        with socket.create_connection(_addr(daemon), timeout=20) as s:
+            req = f"GET /v1/chunks/{k} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+            ((status, _, body),) = _answers(s, [req.encode()])
+        assert (status, body) == (200, v)
+        assert _series(h, _DIRECT) - direct == 1
+
+
 def test_pipelined_gets_around_direct_answers_keep_their_order(daemon: Daemon) -> None:
     ks = [key() for _ in range(3)]
     vs = [os.urandom(n) for n in (70_001, 150_003, 5)]
