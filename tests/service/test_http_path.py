@@ -1,9 +1,10 @@
-"""The daemon's cheaper HTTP path (issue 15) against a real daemon, over raw sockets.
+"""The daemon's data plane (service/dataplane.py) against a real daemon, over raw sockets.
 
-A fast-path PUT receives its body straight into a slot of the store (the protocol copies
-the parser's pieces into it); a response's head goes out with its first body piece.
-These tests hold what that must not break: bodies in pieces, ``Expect: 100-continue``,
-pipelined requests, a client that goes away mid-body, and the request-bytes metric.
+A one-chunk PUT the data plane takes receives its body straight into a slot of the store
+(the protocol copies the parser's pieces into it); what it declines, FastAPI serves
+through the same request core, with the same answer bytes. These tests hold what that
+must not break: bodies in pieces, ``Expect: 100-continue``, pipelined requests, a client
+that goes away mid-body, the request-bytes metric, and the same answer on both paths.
 """
 
 from __future__ import annotations
