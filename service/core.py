@@ -8,34 +8,42 @@ A front end reads bytes and writes answers; the core decides. Three front ends c
 * the data-plane front end (:mod:`.dataplane`), which answers one-chunk GETs and PUTs in
   the HTTP protocol: the same admission, then :meth:`RequestCore.get_now` and
   :meth:`RequestCore.start_put`, and the same request metrics (:meth:`RequestCore.observe`);
-* the same-host channel (:mod:`.shm`): the same token check (:meth:`RequestCore.tenant`)
-  and the same tenant key space and counters.
+* the same-host channel (:mod:`.shm`): the same token check (:meth:`RequestCore.tenant`),
+  and its lookups, puts and gets through :meth:`RequestCore.lookup_now`,
+  :meth:`~RequestCore.put_now` and :meth:`~RequestCore.get_into_now`, counted as the
+  HTTP batch routes' are.
 
 So a request is authenticated, bounded, mapped into its tenant's key space, counted and
 answered the same way, with the same bytes, whichever front end serves it. Routes come
 from one table (:mod:`.routes.table`); errors become answers in one place
 (:func:`kvtier.service.errors.reply_for`).
 
-Threads: the event loop's (the same-host channel's threads use only :meth:`tenant`).
+Threads: the event loop's, but for :meth:`RequestCore.tenant` and the ``*_now`` methods of
+many keys, which the same-host channel's threads call (the store, the authenticator and
+the counters are thread-safe).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.errors import InputError
+from kvtier.keys import ChunkKey
 from kvtier.store.handles import HeldValue, Reservation
-from kvtier.store.types import GetResult, PutResult
+from kvtier.store.types import GetResult, LookupResult, PutResult
 
+from . import wire
 from .daemon import INLINE_GET_BYTES, Daemon
 from .errors import ApiError, ErrorReply, reply_for
 from .routes.table import BATCH_PUT, CHUNK_TEMPLATE, BodyLimit, protected, route_of
@@ -235,8 +243,7 @@ class RequestCore:
 
     async def exists(self, t: Tenant, hex_key: str) -> Answer:
         """A HEAD's answer: 200 present, 404 not; no body."""
-        hit = (await self.d.lookup([self.d.key(t, hex_key)])).hits
-        self.d.tenants.add(t.name, lookup_hit_chunks=hit, lookup_miss_chunks=1 - hit)
+        hit = (await self.lookup(t, [self.d.key(t, hex_key)])).hits
         return Answer(200 if hit else 404, b"", None)
 
     async def delete(self, t: Tenant, hex_key: str) -> Answer:
@@ -251,8 +258,7 @@ class RequestCore:
         res: PutResult = await asyncio.wrap_future(
             self.d.store.put([self.d.key(t, hex_key)], value)
         )
-        self.d.tenants.add(t.name, put_chunks=res.stored, put_bytes=len(value) * res.stored)
-        return put_answer(res)
+        return put_answer(self.counted_put(t, res, len(value)))
 
     def start_put(self, t: Tenant, hex_key: str, length: int) -> ChunkPut | None:
         """A PUT whose body the front end receives straight into a slot of the store, or
@@ -283,9 +289,117 @@ class RequestCore:
 
     def commit(self, t: Tenant, res: Reservation) -> Answer:
         """A PUT's answer for a value received into ``res``."""
-        out = res.commit()
-        self.d.tenants.add(t.name, put_chunks=out.stored, put_bytes=res.view.nbytes * out.stored)
-        return put_answer(out)
+        return put_answer(self.counted_put(t, res.commit(), res.view.nbytes))
+
+    # -- many keys (the batch routes and the same-host channel) ------------------------------
+
+    def counted_lookup(self, t: Tenant, asked: int, res: LookupResult) -> LookupResult:
+        """Count a lookup of ``asked`` keys for tenant ``t``; returns ``res``."""
+        self.d.tenants.add(t.name, lookup_hit_chunks=res.hits, lookup_miss_chunks=asked - res.hits)
+        return res
+
+    async def lookup(self, t: Tenant, ikeys: list[ChunkKey]) -> LookupResult:
+        """The store's lookup of a tenant's (mapped) keys, counted."""
+        return self.counted_lookup(t, len(ikeys), await self.d.lookup(ikeys))
+
+    def lookup_now(self, t: Tenant, ikeys: list[ChunkKey]) -> LookupResult:
+        """:meth:`lookup` on this thread (the same-host channel's). Blocking."""
+        return self.counted_lookup(t, len(ikeys), self.d.store.lookup(ikeys))
+
+    def counted_put(self, t: Tenant, res: PutResult, value_bytes: int) -> PutResult:
+        """Count values of ``value_bytes`` each that a put of tenant ``t`` stored."""
+        self.d.tenants.add(t.name, put_chunks=res.stored, put_bytes=value_bytes * res.stored)
+        return res
+
+    def put_now(
+        self, t: Tenant, ikeys: list[ChunkKey], view: memoryview, iprefix: list[ChunkKey]
+    ) -> PutResult:
+        """Store values of equal length packed in ``view``, on this thread, counted.
+        Blocking.
+
+        Raises:
+            InputError: values the store refuses (a size over its slot).
+        """
+        res = self.d.store.put(ikeys, view, prefix=iprefix, inline=True).result()
+        return self.counted_put(t, res, view.nbytes // len(ikeys))
+
+    def get_into_now(self, t: Tenant, ikeys: list[ChunkKey], view: memoryview) -> GetResult:
+        """The leading run of present values that fit whole in ``view``, copied there on
+        this thread (as the HTTP batch get answers), counted. Blocking."""
+        store = self.d.store
+        res = GetResult(0, 0, (), ())
+        try:
+            # The common case, the whole hit fits: one pass over the index.
+            res = store.get(ikeys, view, inline=True).result()
+        except InputError:
+            # It does not: the leading values that fit whole.
+            hit = store.lookup(ikeys)
+            n, room = 0, view.nbytes
+            for size in hit.value_bytes:
+                if size > room:
+                    break
+                room -= size
+                n += 1
+            if n:
+                # Re-stored with another length since the lookup: misses.
+                with contextlib.suppress(InputError):
+                    res = store.get(ikeys[:n], view, inline=True).result()
+        self._count_get(t, len(ikeys), res.chunks, res.nbytes)
+        return res
+
+    def _count_get(self, t: Tenant, asked: int, chunks: int, nbytes: int) -> None:
+        self.d.tenants.add(
+            t.name,
+            get_chunks=chunks,
+            get_bytes=nbytes,
+            lookup_hit_chunks=chunks,
+            lookup_miss_chunks=asked - chunks,
+        )
+
+    async def batch_get(
+        self, t: Tenant, hex_keys: list[str], scope: MutableMapping[str, Any]
+    ) -> memoryview:
+        """The batch body (KVTB, :mod:`.wire`) of the leading present keys of tenant ``t``.
+
+        The body is capped at ``max_body_bytes`` (its TRUNCATED flag says more may
+        follow); its buffer is sized to the hits and held from the in-flight budget for
+        the rest of the request (``scope``).
+
+        Raises:
+            ApiError: 413 too many keys, 400 a malformed key, 503 the budget is spent.
+        """
+        ikeys = self.d.keys(t, hex_keys)
+        hit = await self.d.lookup(ikeys)
+        n, room = 0, self.d.limits.max_body_bytes - wire.table_bytes(hit.hits)
+        for size in hit.value_bytes:
+            if n and size > room:
+                break
+            room -= size
+            n += 1
+        start = wire.table_bytes(n)
+        payload = sum(hit.value_bytes[:n])
+        self.d.budget.hold(scope, start + payload)
+        view = self.d.values.take(start + payload).data
+        chunks, nbytes, lengths = 0, 0, tuple[int, ...]()
+        if n:
+            try:
+                # A hit in memory is copied on the event loop, as a single GET's is.
+                fut = self.d.store.get(
+                    ikeys[:n], view[start:], inline_memory_bytes=INLINE_GET_BYTES
+                )
+                res = fut.result() if fut.done() else await asyncio.wrap_future(fut)
+                chunks, nbytes, lengths = res.chunks, res.nbytes, res.value_bytes
+            except InputError:
+                # A key evicted and stored again with another length since the lookup:
+                # the run no longer fits its buffer. Answer the misses that it now is.
+                pass
+        # Keys evicted between lookup and get shorten the run; the table then has gaps
+        # before the payload, which payload_offset allows.
+        flags = wire.FLAG_TRUNCATED if chunks == n < hit.hits else 0
+        wire.write_header(view, chunks, start, flags)
+        wire.write_table(view, [ChunkKey(bytes.fromhex(k)) for k in hex_keys[:chunks]], lengths)
+        self._count_get(t, len(hex_keys), chunks, nbytes)
+        return view[: start + nbytes]
 
     # -- metrics -----------------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """The daemon's state, apart from its routes: the store, tenants, limits and counters.
 
 :class:`Daemon` holds what every front end shares; the request core
-(:mod:`kvtier.service.core`) runs the logic of one request over it. Here too: the store
-calls of many keys (lookup, delete, batch get) that both the HTTP routes and the core use.
+(:mod:`kvtier.service.core`) runs the logic of every request over it. Here too: the
+store calls that may block (lookup with a shared tier, delete), kept off the event loop.
 """
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from kvtier.config import KVTierConfig
-from kvtier.errors import ConfigError, InputError
+from kvtier.errors import ConfigError
 from kvtier.factory import Built
 from kvtier.keys import ChunkKey
 from kvtier.store.store import TieredStore
@@ -147,53 +147,3 @@ class Daemon:
         """Close the store (flushing it) and the daemon's threads. Blocking."""
         self._blocking.shutdown(wait=True)
         self.store.close()
-
-    async def batch_get(
-        self, t: Tenant, hex_keys: list[str], scope: MutableMapping[str, Any]
-    ) -> memoryview:
-        """The batch body (KVTB, :mod:`.wire`) of the leading present keys of tenant ``t``
-        (the shared logic of both ``POST /v1/batch/get`` paths).
-
-        The body is capped at ``max_body_bytes`` (its TRUNCATED flag says more may
-        follow); its buffer is sized to the hits and held from the in-flight budget for
-        the rest of the request (``scope``).
-
-        Raises:
-            ApiError: 413 too many keys, 400 a malformed key, 503 the budget is spent.
-        """
-        ikeys = self.keys(t, hex_keys)
-        hit = await self.lookup(ikeys)
-        n, room = 0, self.limits.max_body_bytes - wire.table_bytes(hit.hits)
-        for size in hit.value_bytes:
-            if n and size > room:
-                break
-            room -= size
-            n += 1
-        start = wire.table_bytes(n)
-        payload = sum(hit.value_bytes[:n])
-        self.budget.hold(scope, start + payload)
-        view = self.values.take(start + payload).data
-        chunks, nbytes, lengths = 0, 0, tuple[int, ...]()
-        if n:
-            try:
-                # A hit in memory is copied on the event loop, as a single GET's is.
-                fut = self.store.get(ikeys[:n], view[start:], inline_memory_bytes=INLINE_GET_BYTES)
-                res = fut.result() if fut.done() else await asyncio.wrap_future(fut)
-                chunks, nbytes, lengths = res.chunks, res.nbytes, res.value_bytes
-            except InputError:
-                # A key evicted and stored again with another length since the lookup:
-                # the run no longer fits its buffer. Answer the misses that it now is.
-                pass
-        # Keys evicted between lookup and get shorten the run; the table then has gaps
-        # before the payload, which payload_offset allows.
-        flags = wire.FLAG_TRUNCATED if chunks == n < hit.hits else 0
-        wire.write_header(view, chunks, start, flags)
-        wire.write_table(view, [ChunkKey(bytes.fromhex(k)) for k in hex_keys[:chunks]], lengths)
-        self.tenants.add(
-            t.name,
-            get_chunks=chunks,
-            get_bytes=nbytes,
-            lookup_hit_chunks=chunks,
-            lookup_miss_chunks=len(hex_keys) - chunks,
-        )
-        return view[: start + nbytes]

@@ -592,10 +592,7 @@ class SameHostServer:
         return r.view[offset : offset + length]
 
     def _lookup(self, tenant: Tenant, ikeys: list[ChunkKey]) -> bytes:
-        res = self.d.store.lookup(ikeys)
-        self.d.tenants.add(
-            tenant.name, lookup_hit_chunks=res.hits, lookup_miss_chunks=len(ikeys) - res.hits
-        )
+        res = self.core.lookup_now(tenant, ikeys)
         names = [t.name for t in self.d.store.tiers]
         index = bytes(names.index(n) for n in res.tiers)
         lengths = struct.pack(f"<{res.hits}I", *res.value_bytes)
@@ -617,44 +614,17 @@ class SameHostServer:
         if len(set(ikeys)) != n:
             raise Refused(w.Status.BAD_REQUEST, "a request names the same key twice")
         try:
-            res = self.d.store.put(ikeys, view, prefix=iprefix, inline=True).result()
+            res = self.core.put_now(tenant, ikeys, view, iprefix)
         except InputError as exc:
             raise Refused(w.Status.BAD_REQUEST, str(exc)) from None
-        self.d.tenants.add(tenant.name, put_chunks=res.stored, put_bytes=size * res.stored)
         return w.reply(w.Status.OK) + w.PUT_COUNTS.pack(
             res.stored, res.present, res.rejected, res.failed
         )
 
     def _get(self, tenant: Tenant, ikeys: list[ChunkKey], view: memoryview) -> bytes:
-        chunks, nbytes, lengths = 0, 0, tuple[int, ...]()
-        try:
-            # The common case, the whole hit fits: one pass over the index.
-            res = self.d.store.get(ikeys, view, inline=True).result()
-            chunks, nbytes, lengths = res.chunks, res.nbytes, res.value_bytes
-        except InputError:
-            # It does not: the leading values that fit whole, as the HTTP batch get.
-            hit = self.d.store.lookup(ikeys)
-            n, room = 0, view.nbytes
-            for size in hit.value_bytes:
-                if size > room:
-                    break
-                room -= size
-                n += 1
-            if n:
-                try:
-                    res = self.d.store.get(ikeys[:n], view, inline=True).result()
-                    chunks, nbytes, lengths = res.chunks, res.nbytes, res.value_bytes
-                except InputError:
-                    pass  # re-stored with another length since the lookup: misses
-        self.d.tenants.add(
-            tenant.name,
-            get_chunks=chunks,
-            get_bytes=nbytes,
-            lookup_hit_chunks=chunks,
-            lookup_miss_chunks=len(ikeys) - chunks,
-        )
-        return w.reply(w.Status.OK, count=chunks, nbytes=nbytes) + struct.pack(
-            f"<{chunks}I", *lengths
+        res = self.core.get_into_now(tenant, ikeys, view)
+        return w.reply(w.Status.OK, count=res.chunks, nbytes=res.nbytes) + struct.pack(
+            f"<{res.chunks}I", *res.value_bytes
         )
 
 

@@ -31,10 +31,7 @@ def router(core: RequestCore) -> APIRouter:
 
     @route(api, LOOKUP)
     async def lookup(req: KeysRequest, t: TenantDep) -> LookupResponse:
-        res = await d.lookup(d.keys(t, req.keys))
-        d.tenants.add(
-            t.name, lookup_hit_chunks=res.hits, lookup_miss_chunks=len(req.keys) - res.hits
-        )
+        res = await core.lookup(t, d.keys(t, req.keys))
         return LookupResponse(hits=res.hits, tiers=list(res.tiers))
 
     @route(
@@ -46,7 +43,7 @@ def router(core: RequestCore) -> APIRouter:
         },
     )
     async def batch_get(req: KeysRequest, request: Request, t: TenantDep) -> Response:
-        return Response(await d.batch_get(t, req.keys, request.scope), media_type=OCTET)
+        return Response(await core.batch_get(t, req.keys, request.scope), media_type=OCTET)
 
     @route(
         api,
@@ -82,9 +79,8 @@ def router(core: RequestCore) -> APIRouter:
             for r in runs
         ]
         results = list(await asyncio.gather(*futs))
-        stored_bytes = sum(res.stored * r.value_bytes for res, r in zip(results, runs, strict=True))
-        out = put_response(results)
-        d.tenants.add(t.name, put_chunks=out.stored, put_bytes=stored_bytes)
-        return out
+        for res, r in zip(results, runs, strict=True):
+            core.counted_put(t, res, r.value_bytes)
+        return put_response(results)
 
     return api
