@@ -2,7 +2,7 @@
 
 Both run the operations of :mod:`kvtier.service.protocol` and take the same paths: for
 an ``http://`` URL, requests go through :class:`~kvtier.service.transport.RawHTTP`
-(HTTP/1.1 on plain sockets: a quarter of the client CPU per request that httpx took);
+(HTTP/1.1 on plain sockets: far less client CPU per request than httpx's models);
 with a loopback URL, values go through the daemon's same-host channel (shared memory,
 :mod:`kvtier.service.shm_client`) while the daemon offers it; with a transport of the
 caller's (``httpx.MockTransport`` in tests, or an ``https://`` URL), through httpx. They

@@ -16,8 +16,8 @@ what it buys: docs/architecture.md, "One request core"):
   a store that cannot reserve, a pipelined request) goes to the FastAPI app as it came,
   and its routes call the same core.
 * **A bound on the head's size.** httptools accumulates a header value by concatenation,
-  so a huge header costs time quadratic in its size (a 64 MiB header took seconds of
-  daemon CPU and delayed every other request). The protocol counts the bytes of a
+  so a huge header costs time quadratic in its size and delays every other request
+  (tests/service/test_limits.py). The protocol counts the bytes of a
   request's head *before* handing them to the parser and answers ``431`` past
   ``service.max_header_bytes``. Counting is exact up to the read that completes a head;
   a pipelined request that starts inside another's read is counted from the next read
