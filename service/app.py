@@ -3,10 +3,15 @@
 :func:`create_app` builds the store from the configuration and returns the ASGI app;
 ``kvtier serve`` (:mod:`kvtier.service.server`) runs it under uvicorn. The parts:
 
-* :mod:`.daemon`: the state the routes share (store, tenants, limits, counters);
-* :mod:`.routes`: the routes, one module per area;
+* :mod:`.daemon`: the state every front end shares (store, tenants, limits, counters);
+* :mod:`.core`: the request core every front end calls (admission, one chunk, metrics);
+* :mod:`.routes`: the routes (their table, :mod:`.routes.table`), one module per area;
 * :mod:`.errors`: the one mapping from errors to answers;
-* :mod:`.guards`, :mod:`.fastpath`, :mod:`.metrics`: pure-ASGI layers around the routes.
+* :mod:`.guards`, :mod:`.metrics`: pure-ASGI layers around the routes.
+
+In front of the app, the data-plane front end (:mod:`.dataplane`, uvicorn's ``http``
+protocol) answers most one-chunk GETs and PUTs through the same core; the same-host
+channel (:mod:`.shm`) serves clients on this machine, through the same core too.
 
 Routes are ``async`` and never block the event loop on bytes: the store moves them on
 its own I/O threads and the routes await its futures. Every request is served for one
@@ -30,8 +35,8 @@ from kvtier.config import KVTierConfig
 from kvtier.factory import Built, build_store
 
 from . import errors, wire
+from .core import RequestCore
 from .daemon import Daemon
-from .fastpath import FastPath
 from .guards import Gate
 from .metrics import MetricsMiddleware
 from .routes import batch, chunks, ops
@@ -64,33 +69,34 @@ def create_app(cfg: KVTierConfig, *, built: Built | None = None) -> FastAPI:
     if built is None:
         built = build_store(cfg, chunk_bytes=cfg.service.max_value_bytes or None)
     d = Daemon(built, cfg)
+    core = RequestCore(d)
     app = FastAPI(
         title="kvtier daemon",
         version=API_VERSION,
         summary="A tiered KV-cache store over REST.",
         description=_DESCRIPTION,
-        lifespan=_lifespan(d, cfg),
+        lifespan=_lifespan(core, cfg),
         responses=_ERRORS,
     )
     app.state.daemon = d
+    app.state.core = core
     errors.install(app)
     for area in (ops, chunks, batch):
-        app.include_router(area.router(d))
+        app.include_router(area.router(core))
     _document(app)
-    # Added innermost first: metrics see every request, including those the gate refuses
-    # and those the fast path answers.
-    app.add_middleware(FastPath, daemon=d)  # type: ignore[arg-type]
-    app.add_middleware(Gate, daemon=d)  # type: ignore[arg-type]
+    # Added innermost first: metrics see every request, including those the gate refuses.
+    app.add_middleware(Gate, core=core)  # type: ignore[arg-type]
     app.add_middleware(MetricsMiddleware, metrics=d.metrics)  # type: ignore[arg-type]
     return app
 
 
-def _lifespan(d: Daemon, cfg: KVTierConfig) -> Any:
+def _lifespan(core: RequestCore, cfg: KVTierConfig) -> Any:
     s = cfg.service
+    d = core.d
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        d.same_host = SameHostServer.start(d, s.socket, s.socket_max_region_bytes)
+        d.same_host = SameHostServer.start(core, s.socket, s.socket_max_region_bytes)
         d.ready = True
         log.info(
             "kvtier daemon ready: %d tier(s), values up to %d B, %s",

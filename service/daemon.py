@@ -1,9 +1,8 @@
 """The daemon's state, apart from its routes: the store, tenants, limits and counters.
 
-:class:`Daemon` holds what every route and the fast path (:mod:`kvtier.service.fastpath`)
-share, and the logic both paths run (map a tenant's key, put one value, get one value).
-It imports nothing of the web framework, so the routes and the fast path both import it
-and not each other.
+:class:`Daemon` holds what every front end shares; the request core
+(:mod:`kvtier.service.core`) runs the logic of every request over it. Here too: the
+store calls that may block (lookup with a shared tier, delete), kept off the event loop.
 """
 
 from __future__ import annotations
@@ -11,22 +10,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from enum import Enum
 from pathlib import Path
-from typing import Any, Final, Literal, Protocol, TypeVar
-
-import numpy as np
-import numpy.typing as npt
+from typing import Protocol, TypeVar
 
 from kvtier.config import KVTierConfig
-from kvtier.errors import ConfigError, InputError
+from kvtier.errors import ConfigError
 from kvtier.factory import Built
 from kvtier.keys import ChunkKey
-from kvtier.store.handles import HeldValue, Reservation
 from kvtier.store.store import TieredStore
-from kvtier.store.types import GetResult, LookupResult, PutResult
+from kvtier.store.types import LookupResult
 from kvtier.tiers.base import SharedTier
 
 from . import wire
@@ -34,7 +28,7 @@ from .buffers import ValueBuffers
 from .errors import ApiError
 from .limits import Budget, Limits
 from .metrics import RequestMetrics, TenantCounters
-from .schemas import KEY_PATTERN
+from .routes.table import KEY_PATTERN
 from .tenants import Authenticator, KeyMapper, Tenant, load_or_create_salt
 
 log = logging.getLogger(__name__)
@@ -65,13 +59,6 @@ INLINE_GET_BYTES = 4 << 20
 """Largest memory hit a GET copies on the event loop (a 4 MiB memcpy is ~0.5 ms)."""
 
 
-class _NotNow(Enum):
-    NOT_NOW = "not now"
-
-
-NotNow = Literal[_NotNow.NOT_NOW]
-NOT_NOW: Final = _NotNow.NOT_NOW
-"""What :meth:`Daemon.get_value_now` answers when the get needs I/O (or a shared tier)."""
 T = TypeVar("T")
 
 
@@ -160,111 +147,3 @@ class Daemon:
         """Close the store (flushing it) and the daemon's threads. Blocking."""
         self._blocking.shutdown(wait=True)
         self.store.close()
-
-    async def put_value(self, t: Tenant, hex_key: str, value: bytes | memoryview) -> PutResult:
-        """Store one value for tenant ``t`` (the shared logic of both PUT paths)."""
-        if not len(value):
-            raise ApiError(400, "empty_value", "a value of 0 bytes cannot be stored")
-        res: PutResult = await asyncio.wrap_future(self.store.put([self.key(t, hex_key)], value))
-        self.tenants.add(t.name, put_chunks=res.stored, put_bytes=len(value) * res.stored)
-        return res
-
-    def reserve(self, t: Tenant, hex_key: str, nbytes: int) -> Reservation | None:
-        """A slot of the store to receive one value of tenant ``t`` into, or None.
-
-        None when the store cannot give one (see
-        :meth:`~kvtier.store.store.TieredStore.reserve`): use :meth:`put_value`. End it
-        with :meth:`commit` or ``abort()``.
-        """
-        return self.store.reserve(self.key(t, hex_key), nbytes)
-
-    def commit(self, t: Tenant, res: Reservation) -> PutResult:
-        """Store a value received into ``res`` (the other half of :meth:`reserve`)."""
-        out = res.commit()
-        self.tenants.add(t.name, put_chunks=out.stored, put_bytes=res.view.nbytes * out.stored)
-        return out
-
-    async def batch_get(
-        self, t: Tenant, hex_keys: list[str], scope: MutableMapping[str, Any]
-    ) -> memoryview:
-        """The batch body (KVTB, :mod:`.wire`) of the leading present keys of tenant ``t``
-        (the shared logic of both ``POST /v1/batch/get`` paths).
-
-        The body is capped at ``max_body_bytes`` (its TRUNCATED flag says more may
-        follow); its buffer is sized to the hits and held from the in-flight budget for
-        the rest of the request (``scope``).
-
-        Raises:
-            ApiError: 413 too many keys, 400 a malformed key, 503 the budget is spent.
-        """
-        ikeys = self.keys(t, hex_keys)
-        hit = await self.lookup(ikeys)
-        n, room = 0, self.limits.max_body_bytes - wire.table_bytes(hit.hits)
-        for size in hit.value_bytes:
-            if n and size > room:
-                break
-            room -= size
-            n += 1
-        start = wire.table_bytes(n)
-        payload = sum(hit.value_bytes[:n])
-        self.budget.hold(scope, start + payload)
-        view = self.values.take(start + payload).data
-        chunks, nbytes, lengths = 0, 0, tuple[int, ...]()
-        if n:
-            try:
-                # A hit in memory is copied on the event loop, as a single GET's is.
-                fut = self.store.get(ikeys[:n], view[start:], inline_memory_bytes=INLINE_GET_BYTES)
-                res = fut.result() if fut.done() else await asyncio.wrap_future(fut)
-                chunks, nbytes, lengths = res.chunks, res.nbytes, res.value_bytes
-            except InputError:
-                # A key evicted and stored again with another length since the lookup:
-                # the run no longer fits its buffer. Answer the misses that it now is.
-                pass
-        # Keys evicted between lookup and get shorten the run; the table then has gaps
-        # before the payload, which payload_offset allows.
-        flags = wire.FLAG_TRUNCATED if chunks == n < hit.hits else 0
-        wire.write_header(view, chunks, start, flags)
-        wire.write_table(view, [ChunkKey(bytes.fromhex(k)) for k in hex_keys[:chunks]], lengths)
-        self.tenants.add(
-            t.name,
-            get_chunks=chunks,
-            get_bytes=nbytes,
-            lookup_hit_chunks=chunks,
-            lookup_miss_chunks=len(hex_keys) - chunks,
-        )
-        return view[: start + nbytes]
-
-    async def get_value(self, t: Tenant, hex_key: str) -> memoryview | None:
-        """One value for tenant ``t``, or None (the shared logic of both GET paths)."""
-        buf = self.values.take(self.limits.max_value_bytes)
-        # A hit in memory is copied here, on the event loop: cheaper than the round trip
-        # through an I/O thread (two wake-ups, the GIL handed over twice).
-        fut = self.store.get([self.key(t, hex_key)], buf, inline_memory_bytes=INLINE_GET_BYTES)
-        res = fut.result() if fut.done() else await asyncio.wrap_future(fut)
-        return self._got(t, buf, res)
-
-    def get_value_now(self, t: Tenant, hex_key: str) -> memoryview | NotNow | None:
-        """:meth:`get_value` when it is a memcpy on this thread (a hit in memory, or a
-        miss with no shared tier to ask); :data:`NOT_NOW`, having done nothing, otherwise."""
-        buf = self.values.take(self.limits.max_value_bytes)
-        res = self.store.get_now([self.key(t, hex_key)], buf, max_bytes=INLINE_GET_BYTES)
-        return NOT_NOW if res is None else self._got(t, buf, res)
-
-    def hold_value(self, t: Tenant, hex_key: str) -> HeldValue | None:
-        """:meth:`get_value`'s hit in place, in a tier of plain memory, for an answer sent
-        straight from it (release it once sent); None, having done nothing, otherwise."""
-        held = self.store.hold_value(self.key(t, hex_key), max_bytes=self.limits.max_value_bytes)
-        if held is not None:
-            try:
-                self.tenants.add(t.name, get_chunks=1, get_bytes=held.view.nbytes)
-            except BaseException:
-                held.release()
-                raise
-        return held
-
-    def _got(self, t: Tenant, buf: npt.NDArray[np.uint8], res: GetResult) -> memoryview | None:
-        if not res.chunks:
-            self.tenants.add(t.name, lookup_miss_chunks=1)
-            return None
-        self.tenants.add(t.name, get_chunks=1, get_bytes=res.nbytes)
-        return buf.data[: res.nbytes]

@@ -1,11 +1,11 @@
-"""One mapping from errors to HTTP answers, for every route and the fast path.
+"""One mapping from errors to HTTP answers, for every route and front end.
 
 Every refusal is a 4xx (or a 503 the client may retry) with an
 :class:`~kvtier.service.schemas.ErrorResponse` body. :func:`reply_for` is the only
 place an exception becomes a status and a code: FastAPI's exception handlers
-(:func:`install`) and the pure-ASGI layers (:mod:`kvtier.service.fastpath`,
-:mod:`kvtier.service.guards`) all call it, so a route answers the same error the same
-way whichever path served it. An exception it does not know is a bug: a 500.
+(:func:`install`), the request core (:mod:`kvtier.service.core`) and the gate
+(:mod:`kvtier.service.guards`) all call it, so a route answers the same error the same
+way whichever front end served it. An exception it does not know is a bug: a 500.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Pure-ASGI guards that run before any route reads a body.
 
-:class:`Gate` decides from the request head alone, before one body byte is read:
+:class:`Gate` decides from the request head alone, before one body byte is read (1-3
+are the request core's admission, :meth:`~kvtier.service.core.RequestCore.admit`, which
+the data-plane front end applies too):
 
 1. one ``Authorization`` header at most (two could be read differently by two layers:
    refused, 400);
@@ -21,67 +23,37 @@ request ends.
 
 from __future__ import annotations
 
-import re
-
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .daemon import Daemon
+from .core import Head, RequestCore
 from .errors import ApiError, ErrorReply, reply_for, send_error
 from .limits import HELD, TENANT, busy
 
-_CHUNK = re.compile(r"/v1/chunks/[^/]*")
-# One key in a JSON list: 32 hex digits, quotes, a comma and a little whitespace.
-_JSON_BYTES_PER_KEY = 40
-_JSON_SLACK_BYTES = 4096
-
-
-def _protected(path: str) -> bool:
-    return path.startswith("/v1/") or path == "/metrics"
-
 
 class Gate:
-    """Checks the head of each request before any layer below reads its body."""
+    """Checks the head of each request before any layer below reads its body: the
+    request core admits it (:meth:`~kvtier.service.core.RequestCore.admit`), then the
+    gate holds its bytes in the in-flight budget until the request ends."""
 
-    def __init__(self, app: ASGIApp, daemon: Daemon) -> None:
+    def __init__(self, app: ASGIApp, core: RequestCore) -> None:
         self.app = app
-        self.d = daemon
-        lim = daemon.limits
-        self.json_limit = _JSON_SLACK_BYTES + _JSON_BYTES_PER_KEY * lim.max_batch_keys
-
-    def limit_for(self, method: str, path: str) -> tuple[int, str]:
-        """The largest body this route takes, and the setting that says so."""
-        lim = self.d.limits
-        if method == "PUT" and _CHUNK.fullmatch(path):
-            return lim.max_value_bytes, "service.max_value_bytes"
-        if path == "/v1/batch/put":
-            return lim.max_body_bytes, "service.max_body_bytes"
-        return min(self.json_limit, lim.max_body_bytes), "service.max_batch_keys"
+        self.core = core
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        auth: list[bytes] = []
-        declared = None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                auth.append(value)
-            elif name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    declared = -1
-        reply = self._refusal(scope, auth, declared)
-        if reply is not None:
-            await send_error(send, reply)
+        head = Head.read(scope["headers"])
+        verdict = self.core.admit(scope["method"], scope["path"], head)
+        if isinstance(verdict, ErrorReply):
+            await send_error(send, verdict)
             return
-        limit, setting = self.limit_for(scope["method"], scope["path"])
-        budget = self.d.budget
-        if declared is not None and declared > limit:
-            what = f"body of {declared} B; the limit is {limit} B ({setting})"
-            await send_error(send, ErrorReply(413, "body_too_large", what))
-            return
+        if verdict.tenant is not None:
+            scope[TENANT] = verdict.tenant
+        limit = verdict.limit_bytes
+        declared = head.length
+        budget = self.core.d.budget
         if declared and not await budget.acquire(declared):
             refused = reply_for(busy(budget))
             assert refused is not None
@@ -107,26 +79,6 @@ class Gate:
             await self.app(scope, limited, send)
         finally:
             budget.give(scope.get(HELD, 0))
-
-    def _refusal(self, scope: Scope, auth: list[bytes], declared: int | None) -> ErrorReply | None:
-        if len(auth) > 1:
-            return ErrorReply(
-                400, "duplicate_authorization", "send one Authorization header, not several"
-            )
-        if declared is not None and declared < 0:
-            return ErrorReply(400, "bad_length", "Content-Length is not a number")
-        if not _protected(scope["path"]):
-            return None
-        tenant = self.d.auth.authenticate(auth[0].decode("latin-1") if auth else None)
-        if tenant is None:
-            return ErrorReply(
-                401,
-                "unauthorized",
-                "a valid bearer token is required (Authorization: Bearer <token>)",
-                {"WWW-Authenticate": "Bearer"},
-            )
-        scope[TENANT] = tenant
-        return None
 
 
 async def read_body(request: Request, limit: int, what: str) -> bytes:

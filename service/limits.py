@@ -15,8 +15,6 @@ TENANT = "kvtier.tenant"
 """Scope key of the tenant the gate (:mod:`kvtier.service.guards`) authenticated."""
 HELD = "kvtier.held_bytes"
 """Scope key of the budget bytes a request holds until it ends."""
-BODY_BYTES = "kvtier.body_bytes"
-"""Scope key of body bytes a route received without ``receive()`` (metrics count them)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,8 +18,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvtier.store.types import PolicyCount, StoreStats
 
-from .limits import BODY_BYTES
-
 # Request latency buckets, in seconds: 100 µs to 10 s.
 BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 10.0)
 
@@ -40,7 +38,7 @@ class RequestMetrics:
         self._bytes_in: dict[str, int] = {}
         self._bytes_out: dict[str, int] = {}
         self.in_flight = 0
-        # Requests answered in the HTTP protocol, below ASGI (service/direct.py).
+        # Requests answered in the HTTP protocol, below ASGI (service/dataplane.py).
         # Counted on the event loop only, as in_flight is.
         self.direct = 0
 
@@ -259,7 +257,6 @@ class MetricsMiddleware:
             raise
         finally:
             self.metrics.in_flight -= 1
-            nin += scope.get(BODY_BYTES, 0)  # bodies a route received straight into place
             route = scope.get("route")
             template = getattr(route, "path", None) or "other"
             method = scope.get("method", "?")

@@ -35,6 +35,7 @@ from kvtier.keys import KEY_BYTES, ChunkKey
 from kvtier.store.types import LookupResult, PutResult
 
 from . import wire
+from .routes import table as routes
 
 T = TypeVar("T")
 
@@ -262,18 +263,23 @@ def _groups(n: int, size: int) -> Iterator[tuple[int, int]]:
         yield lo, min(n, lo + size)
 
 
+def call(route: routes.Route, key: str = "", **kw: Any) -> Call:
+    """A call of one route of the daemon's table (``key``: for a chunk route)."""
+    return Call(route.method, route.path(key), **kw)
+
+
 # -- operations -----------------------------------------------------------------------------
 
 
 def op_put(key: KeyLike, value: bytes | bytearray | memoryview) -> Op[PutResult]:
     if memoryview(value).nbytes == 0:
         raise InputError("empty values cannot be stored")
-    reply = yield Call("PUT", f"/v1/chunks/{hex_key(key)}", content=value)
+    reply = yield call(routes.PUT_CHUNK, hex_key(key), content=value)
     return _put_result(reply)
 
 
 def op_get(key: KeyLike) -> Op[bytes | None]:
-    reply = yield Call("GET", f"/v1/chunks/{hex_key(key)}")
+    reply = yield call(routes.GET_CHUNK, hex_key(key))
     if reply.status == 404:
         return None
     check(reply)
@@ -281,13 +287,13 @@ def op_get(key: KeyLike) -> Op[bytes | None]:
 
 
 def op_exists(key: KeyLike) -> Op[bool]:
-    reply = yield Call("HEAD", f"/v1/chunks/{hex_key(key)}")
+    reply = yield call(routes.HEAD_CHUNK, hex_key(key))
     check(reply, allow=(404,))
     return reply.status == 200
 
 
 def op_delete(key: KeyLike) -> Op[bool]:
-    reply = yield Call("DELETE", f"/v1/chunks/{hex_key(key)}")
+    reply = yield call(routes.DELETE_CHUNK, hex_key(key))
     check(reply)
     return bool(reply.json and reply.json.get("deleted"))
 
@@ -296,7 +302,7 @@ def op_lookup(keys: Sequence[KeyLike], batch_keys: int) -> Op[LookupResult]:
     hexes = [hex_key(k) for k in keys]
     tiers: list[str] = []
     for lo, hi in _groups(len(hexes), batch_keys):
-        reply = yield Call("POST", "/v1/lookup", json={"keys": hexes[lo:hi]})
+        reply = yield call(routes.LOOKUP, json={"keys": hexes[lo:hi]})
         check(reply)
         got = [str(t) for t in reply.json["tiers"]]
         tiers.extend(got)
@@ -336,7 +342,7 @@ def op_put_many(
         head = wire.pack_head(raws[lo:hi], sizes[lo:hi], pre)
         parts: list[bytes | memoryview] = [head]
         parts += (memoryview(v).cast("B") for v in values[lo:hi])
-        res = _put_result((yield Call("POST", "/v1/batch/put", content=parts)))
+        res = _put_result((yield call(routes.BATCH_PUT, content=parts)))
         for i, v in enumerate((res.stored, res.present, res.rejected, res.failed)):
             totals[i] += v
         lo = hi
@@ -350,7 +356,7 @@ def op_get_into(keys: Sequence[KeyLike], dst: memoryview, batch_keys: int) -> Op
     done = 0
     while done < len(hexes):
         want = hexes[done : done + batch_keys]
-        reply = yield Call("POST", "/v1/batch/get", json={"keys": want}, sink=sink)
+        reply = yield call(routes.BATCH_GET, json={"keys": want}, sink=sink)
         check(reply)
         count, lens, truncated = sink.result()
         lengths.extend(lens)
@@ -367,7 +373,7 @@ def op_get_many(keys: Sequence[KeyLike], batch_keys: int) -> Op[list[bytes]]:
     out: list[bytes] = []
     while len(out) < len(hexes):
         want = hexes[len(out) : len(out) + batch_keys]
-        reply = yield Call("POST", "/v1/batch/get", json={"keys": want})
+        reply = yield call(routes.BATCH_GET, json={"keys": want})
         check(reply)
         try:
             batch = wire.parse(reply.body, max_count=len(want), max_value_bytes=1 << 62)
@@ -380,12 +386,12 @@ def op_get_many(keys: Sequence[KeyLike], batch_keys: int) -> Op[list[bytes]]:
 
 
 def op_stats() -> Op[dict[str, Any]]:
-    reply = yield Call("GET", "/v1/stats")
+    reply = yield call(routes.STATS)
     check(reply)
     stats: dict[str, Any] = reply.json
     return stats
 
 
 def op_ready() -> Op[bool]:
-    reply = yield Call("GET", "/readyz")
+    reply = yield call(routes.READYZ)
     return reply.status == 200

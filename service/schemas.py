@@ -24,9 +24,7 @@ from kvtier.tiers.base import TierStats
 
 from .limits import Limits
 from .metrics import TenantCounters
-
-KEY_PATTERN = r"^[0-9a-fA-F]{32}$"
-"""A chunk key: 16 bytes as 32 hex digits (``kvtier.keys.parse_key``)."""
+from .routes.table import KEY_PATTERN
 
 KeyStr = Annotated[str, StringConstraints(pattern=KEY_PATTERN)]
 

@@ -72,8 +72,7 @@ def serve(cfg: KVTierConfig) -> None:
     import uvicorn
 
     from kvtier.service.app import create_app
-    from kvtier.service.direct import DirectAnswers
-    from kvtier.service.headlimit import protocol_class
+    from kvtier.service.dataplane import protocol_class
 
     cfg = with_data_dir(cfg)
     s = cfg.service
@@ -87,12 +86,10 @@ def serve(cfg: KVTierConfig) -> None:
             app,
             host=s.host,
             port=port,
-            # Bounds the request head's size and time (service.max_header_bytes,
-            # service.header_timeout_s), and answers one-chunk GETs and PUTs of
-            # memory tiers below ASGI.
-            http=protocol_class(
-                s.max_header_bytes, s.header_timeout_s, DirectAnswers(app.state.daemon)
-            ),
+            # The data-plane front end: answers one-chunk GETs and PUTs of memory tiers
+            # below ASGI, and bounds every request head's size and time
+            # (service.max_header_bytes, service.header_timeout_s).
+            http=protocol_class(s.max_header_bytes, s.header_timeout_s, app.state.core),
             log_level=cfg.log_level.lower(),
             # uvicorn's records propagate to the one handler kvtier set up (one format,
             # one line each), instead of uvicorn's own handlers and format.

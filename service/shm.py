@@ -54,7 +54,7 @@ from kvtier.keys import ChunkKey
 from kvtier.tiers.memory import owner_pid, pid_alive, populate
 
 from . import shm_wire as w
-from .daemon import Daemon
+from .core import RequestCore
 from .tenants import Tenant
 
 log = logging.getLogger(__name__)
@@ -276,7 +276,7 @@ class SameHostServer:
     """Serves the same-host channel of one daemon until :meth:`close`.
 
     Args:
-        d: the daemon (store, tenants, limits, counters).
+        core: the daemon's request core (its token check; its daemon: store, tenants, limits).
         path: the socket's path (an existing file there is replaced).
         own_dir: a directory the server made for the socket and removes at close.
         max_region_bytes: the largest mapping a client may hand over.
@@ -285,8 +285,11 @@ class SameHostServer:
         OSError: the socket cannot be bound.
     """
 
-    def __init__(self, d: Daemon, path: Path, own_dir: Path | None, max_region_bytes: int) -> None:
-        self.d = d
+    def __init__(
+        self, core: RequestCore, path: Path, own_dir: Path | None, max_region_bytes: int
+    ) -> None:
+        self.core = core
+        self.d = d = core.d
         self.path = path
         self._own_dir = own_dir
         self.max_region_bytes = max_region_bytes
@@ -314,14 +317,14 @@ class SameHostServer:
         self._acceptor.start()
 
     @classmethod
-    def start(cls, d: Daemon, setting: str, max_region_bytes: int) -> SameHostServer | None:
+    def start(cls, core: RequestCore, setting: str, max_region_bytes: int) -> SameHostServer | None:
         """The server ``service.socket`` asks for; None when off or when it cannot bind
         (logged: the daemon then serves HTTP only)."""
         try:
             where = socket_path(setting)
             if where is None:
                 return None
-            server = cls(d, where[0], where[1], max_region_bytes)
+            server = cls(core, where[0], where[1], max_region_bytes)
         except (OSError, KVTierError) as exc:
             log.warning("same-host socket %r not available, serving HTTP only: %s", setting, exc)
             return None
@@ -468,7 +471,7 @@ class SameHostServer:
         if op is w.Op.HELLO:
             if tenant is not None:
                 raise Refused(w.Status.BAD_REQUEST, "HELLO twice")
-            t = self.d.auth.authenticate(f"Bearer {payload.decode('utf-8', 'replace')}")
+            t = self.core.tenant(f"Bearer {payload.decode('utf-8', 'replace')}")
             if t is None:
                 raise Refused(w.Status.UNAUTHORIZED, "a valid bearer token is required")
             info = {
@@ -589,10 +592,7 @@ class SameHostServer:
         return r.view[offset : offset + length]
 
     def _lookup(self, tenant: Tenant, ikeys: list[ChunkKey]) -> bytes:
-        res = self.d.store.lookup(ikeys)
-        self.d.tenants.add(
-            tenant.name, lookup_hit_chunks=res.hits, lookup_miss_chunks=len(ikeys) - res.hits
-        )
+        res = self.core.lookup_now(tenant, ikeys)
         names = [t.name for t in self.d.store.tiers]
         index = bytes(names.index(n) for n in res.tiers)
         lengths = struct.pack(f"<{res.hits}I", *res.value_bytes)
@@ -614,44 +614,17 @@ class SameHostServer:
         if len(set(ikeys)) != n:
             raise Refused(w.Status.BAD_REQUEST, "a request names the same key twice")
         try:
-            res = self.d.store.put(ikeys, view, prefix=iprefix, inline=True).result()
+            res = self.core.put_now(tenant, ikeys, view, iprefix)
         except InputError as exc:
             raise Refused(w.Status.BAD_REQUEST, str(exc)) from None
-        self.d.tenants.add(tenant.name, put_chunks=res.stored, put_bytes=size * res.stored)
         return w.reply(w.Status.OK) + w.PUT_COUNTS.pack(
             res.stored, res.present, res.rejected, res.failed
         )
 
     def _get(self, tenant: Tenant, ikeys: list[ChunkKey], view: memoryview) -> bytes:
-        chunks, nbytes, lengths = 0, 0, tuple[int, ...]()
-        try:
-            # The common case, the whole hit fits: one pass over the index.
-            res = self.d.store.get(ikeys, view, inline=True).result()
-            chunks, nbytes, lengths = res.chunks, res.nbytes, res.value_bytes
-        except InputError:
-            # It does not: the leading values that fit whole, as the HTTP batch get.
-            hit = self.d.store.lookup(ikeys)
-            n, room = 0, view.nbytes
-            for size in hit.value_bytes:
-                if size > room:
-                    break
-                room -= size
-                n += 1
-            if n:
-                try:
-                    res = self.d.store.get(ikeys[:n], view, inline=True).result()
-                    chunks, nbytes, lengths = res.chunks, res.nbytes, res.value_bytes
-                except InputError:
-                    pass  # re-stored with another length since the lookup: misses
-        self.d.tenants.add(
-            tenant.name,
-            get_chunks=chunks,
-            get_bytes=nbytes,
-            lookup_hit_chunks=chunks,
-            lookup_miss_chunks=len(ikeys) - chunks,
-        )
-        return w.reply(w.Status.OK, count=chunks, nbytes=nbytes) + struct.pack(
-            f"<{chunks}I", *lengths
+        res = self.core.get_into_now(tenant, ikeys, view)
+        return w.reply(w.Status.OK, count=res.chunks, nbytes=res.nbytes) + struct.pack(
+            f"<{res.chunks}I", *res.value_bytes
         )
 
 

@@ -13,45 +13,41 @@ from kvtier.errors import InputError
 from kvtier.store.types import PutResult
 
 from .. import wire
-from ..daemon import Daemon
+from ..core import RequestCore
 from ..errors import ApiError
 from ..guards import read_body
 from ..schemas import KeysRequest, LookupResponse, PutResponse
-from .common import BINARY_BODY, OCTET, TenantDep, put_response
+from .common import BINARY_BODY, OCTET, TenantDep, put_response, route
+from .table import BATCH_GET, BATCH_PUT, LOOKUP
 
 
 async def _wait(fut: Any) -> Any:
     return await asyncio.wrap_future(fut)
 
 
-def router(d: Daemon) -> APIRouter:
+def router(core: RequestCore) -> APIRouter:
+    d = core.d
     api = APIRouter(tags=["batch"])
 
-    @api.post(
-        "/v1/lookup",
-        summary="Length of the leading run of present keys, and the tier of each hit.",
-    )
+    @route(api, LOOKUP)
     async def lookup(req: KeysRequest, t: TenantDep) -> LookupResponse:
-        res = await d.lookup(d.keys(t, req.keys))
-        d.tenants.add(
-            t.name, lookup_hit_chunks=res.hits, lookup_miss_chunks=len(req.keys) - res.hits
-        )
+        res = await core.lookup(t, d.keys(t, req.keys))
         return LookupResponse(hits=res.hits, tiers=list(res.tiers))
 
-    @api.post(
-        "/v1/batch/get",
-        summary="Read the leading run of present keys as one batch body (see the description).",
+    @route(
+        api,
+        BATCH_GET,
         response_class=Response,
         responses={
             200: {"description": "A batch body (KVTB format) of the leading hits.", **BINARY_BODY}
         },
     )
     async def batch_get(req: KeysRequest, request: Request, t: TenantDep) -> Response:
-        return Response(await d.batch_get(t, req.keys, request.scope), media_type=OCTET)
+        return Response(await core.batch_get(t, req.keys, request.scope), media_type=OCTET)
 
-    @api.post(
-        "/v1/batch/put",
-        summary="Store many values sent as one batch body (see the description).",
+    @route(
+        api,
+        BATCH_PUT,
         openapi_extra={"requestBody": {"required": True, **BINARY_BODY}},
     )
     async def batch_put(request: Request, t: TenantDep) -> PutResponse:
@@ -83,9 +79,8 @@ def router(d: Daemon) -> APIRouter:
             for r in runs
         ]
         results = list(await asyncio.gather(*futs))
-        stored_bytes = sum(res.stored * r.value_bytes for res, r in zip(results, runs, strict=True))
-        out = put_response(results)
-        d.tenants.add(t.name, put_chunks=out.stored, put_bytes=stored_bytes)
-        return out
+        for res, r in zip(results, runs, strict=True):
+            core.counted_put(t, res, r.value_bytes)
+        return put_response(results)
 
     return api

@@ -1,8 +1,9 @@
-"""One chunk: PUT, GET, HEAD, DELETE of ``/v1/chunks/{key}``.
+"""One chunk: PUT, GET, HEAD, DELETE of ``/v1/chunks/{key}``, answered by the request core.
 
-The fast path (:mod:`kvtier.service.fastpath`) answers most well-formed GETs and PUTs
-before they reach these routes; both call the same :class:`~kvtier.service.daemon.Daemon`
-methods, and these routes own the documented errors and the OpenAPI document.
+The data-plane front end (:mod:`kvtier.service.dataplane`) answers most well-formed GETs
+and PUTs before they reach these routes; both call the same
+:class:`~kvtier.service.core.RequestCore` and send its answers' bytes as they are. These
+routes answer the rest, and make the OpenAPI document.
 """
 
 from __future__ import annotations
@@ -10,28 +11,30 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..daemon import Daemon
-from ..errors import error
+from ..core import RequestCore
 from ..guards import read_body
 from ..schemas import DeleteResponse, ErrorResponse, PutResponse
-from .common import BINARY_BODY, OCTET, KeyPath, TenantDep, put_response
+from .common import BINARY_BODY, KeyPath, TenantDep, respond, route
+from .table import DELETE_CHUNK, GET_CHUNK, HEAD_CHUNK, PUT_CHUNK
 
 
-def router(d: Daemon) -> APIRouter:
+def router(core: RequestCore) -> APIRouter:
     api = APIRouter(tags=["chunks"])
+    limits = core.d.limits
 
-    @api.put(
-        "/v1/chunks/{key}",
-        summary="Store one value (write-once: a present key is left as it is).",
+    @route(
+        api,
+        PUT_CHUNK,
+        response_model=PutResponse,
         openapi_extra={"requestBody": {"required": True, **BINARY_BODY}},
     )
-    async def put_chunk(key: KeyPath, request: Request, t: TenantDep) -> PutResponse:
-        body = await read_body(request, d.limits.max_value_bytes, "value")
-        return put_response([await d.put_value(t, key, body)])
+    async def put_chunk(key: KeyPath, request: Request, t: TenantDep) -> Response:
+        body = await read_body(request, limits.max_value_bytes, "value")
+        return respond(await core.put(t, key, body))
 
-    @api.get(
-        "/v1/chunks/{key}",
-        summary="Read one value.",
+    @route(
+        api,
+        GET_CHUNK,
         response_class=Response,
         responses={
             200: {"description": "The value's bytes.", **BINARY_BODY},
@@ -39,25 +42,21 @@ def router(d: Daemon) -> APIRouter:
         },
     )
     async def get_chunk(key: KeyPath, t: TenantDep) -> Response:
-        value = await d.get_value(t, key)
-        if value is None:
-            return error(404, "not_found", f"key {key} is not present")
-        return Response(value, media_type=OCTET)
+        return respond(await core.get(t, key))
 
-    @api.head(
-        "/v1/chunks/{key}",
-        summary="Whether a key is present (200) or not (404); no body.",
+    @route(
+        api,
+        HEAD_CHUNK,
         response_class=Response,
         responses={200: {"description": "Present."}, 404: {"description": "Not present."}},
     )
     async def head_chunk(key: KeyPath, t: TenantDep) -> Response:
-        hit = (await d.lookup([d.key(t, key)])).hits
-        d.tenants.add(t.name, lookup_hit_chunks=hit, lookup_miss_chunks=1 - hit)
-        return Response(status_code=200 if hit else 404)
+        return respond(await core.exists(t, key))
 
-    @api.delete(
-        "/v1/chunks/{key}",
-        summary="Remove one key (idempotent).",
+    @route(
+        api,
+        DELETE_CHUNK,
+        response_model=DeleteResponse,
         responses={
             503: {
                 "model": ErrorResponse,
@@ -66,7 +65,7 @@ def router(d: Daemon) -> APIRouter:
             }
         },
     )
-    async def delete_chunk(key: KeyPath, t: TenantDep) -> DeleteResponse:
-        return DeleteResponse(deleted=await d.delete([d.key(t, key)]))
+    async def delete_chunk(key: KeyPath, t: TenantDep) -> Response:
+        return respond(await core.delete(t, key))
 
     return api

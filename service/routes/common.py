@@ -1,25 +1,30 @@
-"""What the route modules share: the tenant dependency, the key parameter, body docs."""
+"""What the route modules share: the tenant dependency, the key parameter, body docs, and
+the one way a route of the table (:mod:`.table`) becomes a FastAPI route."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, Path, Request, Security
+from fastapi import APIRouter, Depends, Path, Request, Security
+from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from kvtier.store.types import PutResult
 
 from .. import wire
-from ..daemon import Daemon
+from ..core import Answer, RequestCore, unauthorized
 from ..errors import ApiError
 from ..limits import TENANT
-from ..schemas import KEY_PATTERN, PutResponse
+from ..schemas import PutResponse
 from ..tenants import Tenant
+from .table import KEY_PATTERN, Route
 
 OCTET = wire.MEDIA_TYPE
 BINARY_BODY: dict[str, Any] = {
     "content": {OCTET: {"schema": {"type": "string", "format": "binary"}}}
 }
+F = TypeVar("F", bound=Callable[..., Any])
 
 _bearer = HTTPBearer(auto_error=False, description="A token from [service.tokens].")
 
@@ -29,15 +34,11 @@ def _tenant(
 ) -> Tenant:
     t = request.scope.get(TENANT)  # the gate authenticated it before the body was read
     if t is None:
-        d: Daemon = request.app.state.daemon
-        t = d.auth.authenticate(f"Bearer {cred.credentials}" if cred else None)
+        core: RequestCore = request.app.state.core
+        t = core.tenant(f"Bearer {cred.credentials}" if cred else None)
     if t is None:
-        raise ApiError(
-            401,
-            "unauthorized",
-            "a valid bearer token is required (Authorization: Bearer <token>)",
-            {"WWW-Authenticate": "Bearer"},
-        )
+        reply = unauthorized()
+        raise ApiError(reply.status, reply.code, reply.message, reply.headers)
     return t
 
 
@@ -45,6 +46,20 @@ TenantDep = Annotated[Tenant, Depends(_tenant)]
 KeyPath = Annotated[
     str, Path(pattern=KEY_PATTERN, description="The chunk key: 32 hex digits (16 bytes).")
 ]
+
+
+def route(api: APIRouter, r: Route, **kw: Any) -> Callable[[F], F]:
+    """Register the decorated function as route ``r`` of the table."""
+    return api.api_route(r.template, methods=[r.method], summary=r.summary, **kw)
+
+
+def respond(answer: Answer) -> Response:
+    """A core's answer as a FastAPI response: the same bytes the data plane sends."""
+    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in answer.headers}
+    ctype = answer.content_type
+    return Response(
+        answer.body, answer.status, headers, media_type=ctype.decode("latin-1") if ctype else None
+    )
 
 
 def put_response(results: list[PutResult]) -> PutResponse:

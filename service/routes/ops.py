@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
-from ..daemon import Daemon
+from ..core import RequestCore
 from ..errors import error
 from ..metrics import store_exposition
 from ..schemas import (
@@ -18,19 +18,21 @@ from ..schemas import (
     TenantStatsModel,
     as_json,
 )
-from .common import TenantDep
+from .common import TenantDep, route
+from .table import HEALTHZ, METRICS, READYZ, SAME_HOST, STATS
 
 
-def router(d: Daemon) -> APIRouter:
+def router(core: RequestCore) -> APIRouter:
+    d = core.d
     api = APIRouter(tags=["ops"])
 
-    @api.get("/healthz", summary="Liveness: the process answers.")
+    @route(api, HEALTHZ)
     async def healthz() -> StatusResponse:
         return StatusResponse(status="ok")
 
-    @api.get(
-        "/readyz",
-        summary="Readiness: the store is open and serving.",
+    @route(
+        api,
+        READYZ,
         responses={503: {"model": ErrorResponse, "description": "Starting or shutting down."}},
     )
     async def readyz() -> Response:
@@ -43,9 +45,9 @@ def router(d: Daemon) -> APIRouter:
             return JSONResponse({"status": "degraded", "tiers_down": down})
         return JSONResponse({"status": "ready"})
 
-    @api.get(
-        "/metrics",
-        summary="Prometheus metrics (text exposition format 0.0.4).",
+    @route(
+        api,
+        METRICS,
         response_class=Response,
         responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
     )
@@ -62,17 +64,14 @@ def router(d: Daemon) -> APIRouter:
             "\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8"
         )
 
-    @api.get(
-        "/v1/same-host",
-        summary="The same-host channel (shared memory) for clients on this machine, if on.",
-    )
+    @route(api, SAME_HOST)
     async def same_host(_: TenantDep) -> SameHostResponse:
         return SameHostResponse(
             socket=str(d.same_host.path) if d.same_host is not None else None,
             version=1,
         )
 
-    @api.get("/v1/stats", summary="Store counters, the caller's own counters, limits.")
+    @route(api, STATS)
     async def stats(t: TenantDep) -> StatsResponse:
         return StatsResponse(
             tenant=TenantStatsModel.model_validate({"name": t.label, **d.tenants.of(t.name)}),

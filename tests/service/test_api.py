@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from kvtier.service import wire
+from kvtier.service.routes.table import ROUTES
 
 from .conftest import Daemon
 
@@ -293,3 +294,11 @@ def test_every_placement_series_is_documented(daemon_factory, tmp_path) -> None:
     assert len(emitted) == 11
     documented = _documented_series()
     assert emitted - documented == set(), documented
+
+
+def test_the_daemon_serves_exactly_the_routes_of_its_table(http: httpx.Client) -> None:
+    doc = http.get("/openapi.json").json()
+    served = {(m.upper(), path) for path, ops in doc["paths"].items() for m in ops}
+    assert served == {(r.method, r.template) for r in ROUTES}
+    for r in ROUTES:
+        assert doc["paths"][r.template][r.method.lower()]["summary"] == r.summary

@@ -1,4 +1,4 @@
-"""Edges of the answers given in the HTTP protocol, below ASGI (service/direct.py), each
+"""Edges of the answers given in the HTTP protocol, below ASGI (service/dataplane.py), each
 against a real daemon over raw sockets: what the connection does after a direct answer,
 at its keep-alive timer, and at shutdown, where uvicorn's own request cycle is absent.
 """

@@ -1,9 +1,10 @@
-"""The daemon's cheaper HTTP path (issue 15) against a real daemon, over raw sockets.
+"""The daemon's data plane (service/dataplane.py) against a real daemon, over raw sockets.
 
-A fast-path PUT receives its body straight into a slot of the store (the protocol copies
-the parser's pieces into it); a response's head goes out with its first body piece.
-These tests hold what that must not break: bodies in pieces, ``Expect: 100-continue``,
-pipelined requests, a client that goes away mid-body, and the request-bytes metric.
+A one-chunk PUT the data plane takes receives its body straight into a slot of the store
+(the protocol copies the parser's pieces into it); what it declines, FastAPI serves
+through the same request core, with the same answer bytes. These tests hold what that
+must not break: bodies in pieces, ``Expect: 100-continue``, pipelined requests, a client
+that goes away mid-body, the request-bytes metric, and the same answer on both paths.
 """
 
 from __future__ import annotations
@@ -181,6 +182,18 @@ def test_a_get_answered_below_asgi_is_the_answer_asgi_gives(daemon: Daemon) -> N
         # Two of the four were answered below ASGI; every answer is in the request series.
         assert _series(h, _DIRECT) - direct == 2
         assert _series(h, _GET_200) - ok == 2
+
+
+def test_a_get_declaring_an_empty_body_is_answered_below_asgi(daemon: Daemon) -> None:
+    k, v = key(), os.urandom(1000)
+    with httpx.Client(base_url=daemon.url, timeout=20) as h:
+        assert h.put(f"/v1/chunks/{k}", content=v).status_code == 200
+        direct = _series(h, _DIRECT)
+        with socket.create_connection(_addr(daemon), timeout=20) as s:
+            req = f"GET /v1/chunks/{k} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+            ((status, _, body),) = _answers(s, [req.encode()])
+        assert (status, body) == (200, v)
+        assert _series(h, _DIRECT) - direct == 1
 
 
 def test_pipelined_gets_around_direct_answers_keep_their_order(daemon: Daemon) -> None:

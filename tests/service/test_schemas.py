@@ -56,7 +56,7 @@ def test_store_stats_round_trip_through_the_models() -> None:
 
 
 def test_head_end_finds_the_marker_within_and_across_reads() -> None:
-    from kvtier.service.headlimit import head_end
+    from kvtier.service.dataplane import head_end
 
     assert head_end(b"", b"GET / HTTP/1.1\r\n\r\nbody") == 18
     assert head_end(b"", b"GET / HTTP/1.1\r\nX: y") == -1

@@ -12,6 +12,7 @@ pytest.importorskip("fastapi", reason="needs the service extra: pip install 'kvt
 pytest.importorskip("uvicorn", reason="needs the service extra: pip install 'kvtier[service]'")
 pytest.importorskip("httpx", reason="needs the service extra: pip install 'kvtier[service]'")
 
+import asyncio
 import fcntl
 import json
 import os
@@ -29,7 +30,7 @@ import pytest
 
 from kvtier.errors import AuthError, ConfigError, InputError
 from kvtier.service import shm_wire as w
-from kvtier.service.client import Client
+from kvtier.service.client import AsyncClient, Client
 from kvtier.service.shm_client import Region
 from tests.procs import exited_pid
 
@@ -91,6 +92,54 @@ def test_client_moves_values_through_shared_memory_bytes_equal(tenant_daemon: Da
     assert _metric(d, 'kvtier_http_requests_total{route="/v1/chunks/{key}"', "alice") == (
         http_before
     )
+
+
+def test_async_client_moves_values_through_shared_memory_as_the_sync_one(
+    tenant_daemon: Daemon,
+) -> None:
+    d = tenant_daemon
+    shm_before = _metric(d, "kvtier_same_host_requests_total", "bob")
+    http_before = _metric(d, 'kvtier_http_requests_total{route="/v1/chunks/{key}"', "bob")
+    keys = [os.urandom(16) for _ in range(4)]
+    values = [_rand(MiB), _rand(1000), _rand(77), _rand(5)]
+
+    async def go() -> None:
+        async with AsyncClient(d.url, TOKENS["bob"]) as c:
+            assert await c.same_host_socket() == _socket_of(d, "bob")
+            results = await asyncio.gather(
+                *(c.put(k, v) for k, v in zip(keys[:2], values[:2], strict=True))
+            )
+            assert sum(r.stored for r in results) == 2
+            assert (await c.put_many(keys[2:], values[2:])).stored == 2
+            hit = await c.lookup([*keys, os.urandom(16)])
+            assert hit.hits == 4 and hit.value_bytes == tuple(len(v) for v in values)
+            assert await c.get(keys[2]) == values[2]
+            assert await c.get(os.urandom(16)) is None
+            buf = await c.shared_buffer(sum(map(len, values)))
+            assert await c.is_shared(buf)
+            got = await c.get_into(keys, buf)
+            assert got.chunks == 4 and bytes(buf) == b"".join(values)
+            assert await c.delete(keys[3]) and not await c.exists(keys[3])
+
+    asyncio.run(go())
+    assert _metric(d, "kvtier_same_host_requests_total", "bob") >= shm_before + 9
+    # None of it went through the HTTP chunk routes.
+    assert _metric(d, 'kvtier_http_requests_total{route="/v1/chunks/{key}"', "bob") == (http_before)
+
+
+def test_async_client_with_same_host_false_uses_http(tenant_daemon: Daemon) -> None:
+    d = tenant_daemon
+    k, v = os.urandom(16), _rand(3000)
+
+    async def go() -> None:
+        async with AsyncClient(d.url, TOKENS["bob"], same_host=False) as c:
+            assert await c.same_host_socket() is None
+            assert (await c.put(k, v)).stored == 1
+            assert await c.get(k) == v
+
+    before = _metric(d, 'kvtier_http_requests_total{route="/v1/chunks/{key}"', "bob")
+    asyncio.run(go())
+    assert _metric(d, 'kvtier_http_requests_total{route="/v1/chunks/{key}"', "bob") == before + 2
 
 
 def test_shared_buffers_put_and_get_with_no_client_copy(tenant_daemon: Daemon) -> None:
