@@ -463,6 +463,13 @@ def main(argv: list[str]) -> int:
         f"{distinct * VLLM_BLOCK * kv_per_token / 2**20:.0f} MiB of KV; vLLM's pool "
         f"{a.vllm_kv_tokens} tokens" + (" (no reuse)" if a.no_reuse else "")
     )
+    # Near the engine's capacity TTFT is all queueing, and a few percent of throughput
+    # swings it several-fold: compare rows at an offered load well below capacity.
+    offered = prompt_tokens / max(r.at_s for r in reqs)
+    print(
+        f"offered load {offered:.0f} prompt tokens/s; a row's throughput near it means "
+        "the engine kept up, below it that requests queued"
+    )
     runs: list[dict[str, Any]] = []  # one per row and repeat, in the order run
     ok = False
     try:
@@ -502,6 +509,7 @@ def main(argv: list[str]) -> int:
             options=vars(a),
             requests=len(reqs),
             prompt_tokens=prompt_tokens,
+            offered_prompt_tokens_per_s=offered,
             working_set_tokens=distinct * VLLM_BLOCK,
         ),
     )
