@@ -9,7 +9,7 @@ import pytest
 
 from kvtier.connectors.vllm.keys import KeyScheme, rank_keys, rank_salt, request_extra
 from kvtier.connectors.vllm.settings import ChunkShape, config_from_extra
-from kvtier.errors import ConfigError, SpecError
+from kvtier.errors import ConfigError
 from kvtier.spec import KVSpec
 
 
@@ -90,10 +90,24 @@ def test_mirror_is_bounded_lru() -> None:
     assert a in mirror and c in mirror and b not in mirror
 
 
-def test_mla_models_are_refused() -> None:
+def test_mla_spec_is_one_latent_shared_by_every_tp_rank() -> None:
     pytest.importorskip("vllm")
-    from kvtier.connectors.vllm.connector import spec_from_vllm
+    from kvtier.connectors.vllm.connector import spec_from_vllm, storing_ranks
 
-    cfg = SimpleNamespace(model_config=SimpleNamespace(use_mla=True, model="deepseek"))
-    with pytest.raises(SpecError, match="MLA"):
-        spec_from_vllm(cfg)  # type: ignore[arg-type]
+    def cfg(tp: int) -> SimpleNamespace:
+        text = SimpleNamespace(num_hidden_layers=3, kv_lora_rank=512, qk_rope_head_dim=64)
+        mc = SimpleNamespace(use_mla=True, model="deepseek", dtype="bfloat16", hf_text_config=text)
+        return SimpleNamespace(
+            model_config=mc,
+            cache_config=SimpleNamespace(cache_dtype="auto"),
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+        )
+
+    one = spec_from_vllm(cfg(1))  # type: ignore[arg-type]
+    rank1 = spec_from_vllm(cfg(2), tp_rank=1)  # type: ignore[arg-type]
+    assert (one.mla, one.num_kv_heads, one.head_size) == (True, 1, 576)
+    assert one.bytes_per_token == 3 * 576 * 2  # one plane, no K and V
+    assert rank1.fingerprint == one.fingerprint  # every rank, every TP degree: one copy
+    assert storing_ranks(rank1, world_size=4) == 2  # TP 2 x PP 2: TP rank 0 of each stage
+    plain = spec_from_vllm(cfg(2), tp_rank=1)  # type: ignore[arg-type]
+    assert storing_ranks(replace(plain, mla=False), world_size=4) == 4
