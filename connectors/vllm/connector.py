@@ -122,7 +122,7 @@ def kv_groups(
         if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
             groups.append(KVGroup(LayerKind.FULL, len(g.layer_names)))
         elif isinstance(spec, SlidingWindowSpec):
-            window = spec.sliding_window - 1 + spec.extra_retained_tokens
+            window = spec.sliding_window - 1 + getattr(spec, "extra_retained_tokens", 0)
             groups.append(KVGroup(LayerKind.SLIDING, len(g.layer_names), max(1, window)))
         else:
             raise SpecError(
@@ -175,6 +175,30 @@ def spec_from_vllm(
     )
 
 
+def load_refusal(vllm_config: VllmConfig) -> str | None:
+    """Why this engine must never load KV, or None when it can.
+
+    vLLM's CPU MLA backend computes no prefill over cached context: vLLM turns chunked
+    prefill and its own prefix caching off for it. A load would then be followed by a
+    prefill that ignores the loaded latents (a wrong answer), so kvtier stores and never
+    loads there. (The AMX MLA backend, where vLLM keeps prefix caching on, loads.)
+    """
+    from vllm.platforms import current_platform
+
+    mc = vllm_config.model_config
+    if (
+        mc.use_mla
+        and current_platform.is_cpu()
+        and not vllm_config.cache_config.enable_prefix_caching
+    ):
+        return (
+            "vLLM's CPU MLA backend computes no prefill over cached context (vLLM turned "
+            "chunked prefill and prefix caching off): kvtier stores this model's KV but "
+            "loads none; hits need a backend that prefills over context (CUDA, CPU AMX)"
+        )
+    return None
+
+
 def storing_ranks(spec: KVSpec, world_size: int) -> int:
     """Workers that store a copy of each chunk: every rank, or one per PP stage for a
     KV that every TP rank holds alike (MLA)."""
@@ -223,6 +247,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             )
             per_rank = replace(spec, tp_rank=0)
             stores = storing_ranks(spec, vllm_config.parallel_config.world_size)
+            refusal = load_refusal(vllm_config)
+            if refusal is not None:
+                log.warning("kvtier: %s", refusal)
             remote = None
             if self.daemon is not None:
                 chunk_bytes = per_rank.chunk_bytes(self.cfg.store.chunk_tokens)
@@ -237,6 +264,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 remote=remote,
                 role=self.kv_role,
                 prefill_wait_s=prefill_wait_s,
+                can_load=refusal is None,
             )
             log.info(
                 "kvtier connector: %s (%s)",

@@ -141,6 +141,8 @@ class SchedulerSide:
             (handoff.py).
         prefill_wait_s: longest wait for a prefill named in ``kv_transfer_params``.
         layout: the model's KV-cache groups (groups.py); default one full-attention group.
+        can_load: False where the engine cannot compute a prompt's tail over loaded KV
+            (vLLM's CPU MLA backend): saves go on, every lookup is a miss.
     """
 
     # How long a request may wait for the workers' salts and index snapshots (they
@@ -162,6 +164,7 @@ class SchedulerSide:
         role: Role = Role.BOTH,
         prefill_wait_s: float = 0.0,
         layout: GroupLayout | None = None,
+        can_load: bool = True,
     ) -> None:
         self.scheme = scheme
         self.layout = layout or GroupLayout.of(scheme.spec, shape)
@@ -178,6 +181,7 @@ class SchedulerSide:
         )
         self.remote = remote
         self.role = role
+        self.can_load = can_load
         self.waits = PrefillWaits(prefill_wait_s, shared=remote is not None, role=role)
         self._salt_wait_since: float | None = None
         # Daemon lookups per request: req id -> (last key asked, when). What the daemon
@@ -221,7 +225,7 @@ class SchedulerSide:
         keys = self._keys(request)
         rid = request.request_id
         limit = (request.num_tokens - 1) // self.chunk_tokens
-        if not self.role.loads:
+        if not self.role.loads or not self.can_load:
             # A producer computes every token. It asks the daemon only so that it does not
             # save again what another engine stored (_remote_hits adds it to the mirror).
             n = self._matched(keys, request.num_tokens, {})

@@ -190,6 +190,16 @@ class WorkerSide:
             value_bytes,
             [f"{t.name}:{t.capacity_bytes}B" for t in self.store.tiers],
         )
+        if self.layout.hybrid:
+            log.info(
+                "kvtier worker: %d KV-cache groups: %s",
+                len(self.movers),
+                ", ".join(
+                    f"{'sliding' if g.sliding else 'full'} x{m.num_layers} layers "
+                    f"({g.tail_blocks} of {self.blocks_per_chunk} blocks per chunk)"
+                    for g, m in zip(self.layout.groups, self.movers, strict=True)
+                ),
+            )
 
     # -- loads (engine thread, before the forward) -----------------------------------------
 

@@ -2,8 +2,10 @@
 
 Each keeps its family's KV geometry where vLLM's CPU build insists on it (DeepSeek's MLA
 latent of 512 + 64) and is otherwise as small as vLLM takes: two or three layers, a
-hidden size of 256, a 1,024-token vocabulary. They run with ``load_format="dummy"``
-(random weights, no files to write), ``skip_tokenizer_init`` and prompts as token ids.
+hidden size of 256, a 1,024-token vocabulary. :func:`write_model` gives each random
+weights of a wide spread (Hugging Face's own initialisation, ``initializer_range`` 0.5):
+``load_format="dummy"`` weights are so small that greedy outputs barely depend on the
+prompt, so they could not tell a wrong KV block from a right one.
 """
 
 from __future__ import annotations
@@ -79,12 +81,69 @@ GEMMA3: dict[str, Any] = {
     "attn_logit_softcapping": None,
 }
 
-FAMILIES: dict[str, dict[str, Any]] = {"deepseek_v2": DEEPSEEK_V2, "gemma3": GEMMA3}
+# gpt-oss: alternating sliding-window and full-attention layers with attention sinks, and
+# mixture-of-experts MLPs (unquantized here). A window of 32 tokens ends inside a chunk's
+# last block: its sliding group stores one block of each chunk of two.
+GPT_OSS: dict[str, Any] = {
+    **_COMMON,
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "num_hidden_layers": 2,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "intermediate_size": 256,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "experts_per_token": 2,
+    "sliding_window": 32,
+    "attention_bias": True,
+    "swiglu_limit": 7.0,
+    "rope_theta": 150000.0,
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    "hidden_act": "silu",
+}
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    "deepseek_v2": DEEPSEEK_V2,
+    "gemma3": GEMMA3,
+    "gpt_oss": GPT_OSS,
+}
 
 
 def write_family(name: str, folder: str | Path) -> Path:
-    """Write the ``config.json`` of family ``name`` into ``folder``; returns the folder."""
+    """Write only the ``config.json`` of family ``name`` (for ``load_format="dummy"``)."""
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(FAMILIES[name], indent=1))
+    return out
+
+
+def write_model(name: str, folder: str | Path, seed: int = 0) -> Path:
+    """Write family ``name`` with random weights (safetensors) into ``folder``; returns it.
+
+    Reuses the folder when it already holds this family.
+    """
+    import torch
+    import transformers
+
+    out = Path(folder)
+    stamp = out / "kvtier-family.json"
+    want = json.dumps({"family": FAMILIES[name], "seed": seed}, sort_keys=True)
+    if stamp.exists() and stamp.read_text() == want:
+        return out
+    cfg = {**FAMILIES[name], "initializer_range": 0.5}
+    config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    stamp.write_text(want)
     return out

@@ -9,7 +9,7 @@ import pytest
 
 from kvtier.connectors.vllm.keys import KeyScheme, rank_keys, rank_salt, request_extra
 from kvtier.connectors.vllm.settings import ChunkShape, config_from_extra
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, SpecError
 from kvtier.spec import KVSpec
 
 
@@ -111,3 +111,32 @@ def test_mla_spec_is_one_latent_shared_by_every_tp_rank() -> None:
     assert storing_ranks(rank1, world_size=4) == 2  # TP 2 x PP 2: TP rank 0 of each stage
     plain = spec_from_vllm(cfg(2), tp_rank=1)  # type: ignore[arg-type]
     assert storing_ranks(replace(plain, mla=False), world_size=4) == 4
+
+
+def test_kv_groups_of_hybrid_models_and_state_space_refusal() -> None:
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    from kvtier.connectors.vllm.connector import kv_groups
+    from kvtier.spec import KVGroup, LayerKind
+
+    def config(*specs: object) -> SimpleNamespace:
+        groups = [
+            SimpleNamespace(layer_names=[f"l{i}a", f"l{i}b"], kv_cache_spec=s)
+            for i, s in enumerate(specs)
+        ]
+        return SimpleNamespace(kv_cache_groups=groups)
+
+    attn = {"block_size": 32, "num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
+    full = FullAttentionSpec(**attn)
+    sliding = SlidingWindowSpec(**attn, sliding_window=48)
+    assert kv_groups(config(full), 32) == ((), ())  # one group: a plain model, as before
+    groups, names = kv_groups(config(sliding, full), 32)
+    assert groups == (KVGroup(LayerKind.SLIDING, 2, 47), KVGroup(LayerKind.FULL, 2))
+    assert names == (("l0a", "l0b"), ("l1a", "l1b"))
+    with pytest.raises(SpecError, match="blocks of 16"):
+        kv_groups(config(sliding, full), 16)
+    mamba = MambaSpec(block_size=32, shapes=((4, 4),), dtypes=(torch.bfloat16,))
+    with pytest.raises(SpecError, match="state-space or linear-attention"):
+        kv_groups(config(full, mamba), 32)

@@ -1,0 +1,142 @@
+"""The model families people serve, each a tiny random model of its real architecture
+(families.py) on a real vLLM CPU engine: hits with greedy outputs identical to a
+recompute, and hits after a restart (a new engine process, chunks loaded from nvme).
+
+* DeepSeek-V2 (MLA): one latent of 576 elements per token and layer, stored once. vLLM's
+  CPU MLA backend computes no prefill over cached context (vLLM turns chunked prefill
+  and its own prefix caching off for it), so on CPU the connector stores and never
+  loads (a load would be followed by a prefill that ignores it: a hit's greedy output
+  differed from a recompute's); the hits run where CUDA is.
+* Gemma 3 (sliding window + full attention): vLLM's hybrid KV-cache manager stays on
+  with the connector (it declares ``SupportsHMA``), so the model has several KV-cache
+  groups; a hit loads every block of the full-attention group and only the window
+  before the boundary of the sliding ones.
+
+Two engine processes per family, one after the other (family_driver.py).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.connectors.conftest import CHUNK
+from tests.connectors.family_driver import PROMPT_SEEDS
+from tests.procs import engine_env
+
+pytest.importorskip("vllm")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+FULL = 4 * CHUNK  # full chunks of each 300-token prompt
+N = len(PROMPT_SEEDS)
+
+
+def _run(model: Path, nvme: Path, out: Path, mode: str) -> dict:
+    log = out.with_suffix(".log")
+    args = [str(model), str(nvme), str(out), mode]
+    with log.open("wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.connectors.family_driver", *args],
+            cwd=ROOT,
+            env=engine_env(out.parent),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        rc = proc.wait(timeout=420)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"{mode} engine did not finish:\n{log.read_text()[-4000:]}") from None
+    assert rc == 0, f"{mode} engine exited {rc}:\n{log.read_text()[-4000:]}"
+    return dict(json.loads(out.read_text()), log=log.read_text())
+
+
+def _runs(family: str, tmp: Path) -> tuple[dict, dict]:
+    from tests.connectors.families import write_model
+
+    model = write_model(family, tmp / "model")
+    first = _run(model, tmp / "nvme", tmp / "first.json", "first")
+    second = _run(model, tmp / "nvme", tmp / "second.json", "second")
+    return first, second
+
+
+def _hits_and_restart(first: dict, second: dict) -> None:
+    assert first["cached"] == [0] * N
+    assert first["again_cached"] == [FULL] * N  # the same engine hits what it stored
+    assert first["again"] == first["tokens"]
+    assert second["cached"] == [FULL] * N  # a new process hits what the first persisted
+    assert second["tokens"] == first["tokens"]
+    assert second["ref_cached"] == [0] * N  # salted: a miss, the recompute reference
+    assert second["ref"] == first["tokens"]
+    assert second["totals"]["load_tokens"] == N * FULL
+    assert second["totals"].get("load_failed_blocks", 0) == 0
+    # The prompts' outputs differ: the weights make the output depend on the KV.
+    assert len({tuple(t) for t in first["tokens"]}) == N
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    return _runs("deepseek_v2", tmp_path_factory.mktemp("deepseek"))
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    return _runs("gemma3", tmp_path_factory.mktemp("gemma3"))
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="vLLM's CPU MLA backend computes no prefill over cached context: MLA hits need CUDA",
+)
+def test_mla_hits_and_restarts_with_identical_outputs(deepseek: tuple[dict, dict]) -> None:
+    first, second = deepseek
+    _hits_and_restart(first, second)
+    assert second["mla"] and second["groups"] == [[False, CHUNK // second["block_size"], 0]]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU MLA backend's refusal")
+def test_mla_on_cpu_stores_and_never_loads(deepseek: tuple[dict, dict]) -> None:
+    first, second = deepseek
+    assert first["again_cached"] == [0] * N and first["again"] == first["tokens"]
+    assert second["cached"] == [0] * N and second["tokens"] == first["tokens"]
+    assert second["totals"].get("load_chunks", 0) == 0
+    assert second["stored"] == N * 4  # the restart recovered every chunk, one copy each
+    assert "computes no prefill over cached context" in second["log"]
+
+
+def test_mla_stores_one_latent_per_token(deepseek: tuple[dict, dict]) -> None:
+    first, _ = deepseek
+    totals = first["totals"]
+    # 2 layers x 576 elements x 2 bytes per token: one latent, no separate K and V.
+    assert first["layers"] == [2]
+    assert first["page_bytes"] == [first["block_size"] * 576 * 2]
+    assert totals["save_chunks"] == N * 4
+    assert totals["save_bytes"] == N * 4 * CHUNK * 2 * 576 * 2
+
+
+def test_hybrid_groups_hit_and_restart_with_identical_outputs(gemma: tuple[dict, dict]) -> None:
+    first, second = gemma
+    _hits_and_restart(first, second)
+    sliding = [g for g in second["groups"] if g[0]]
+    full = [g for g in second["groups"] if not g[0]]
+    assert sliding and full  # vLLM's hybrid KV-cache manager stayed on
+
+
+def test_hybrid_hit_loads_the_sliding_window_only(gemma: tuple[dict, dict]) -> None:
+    _, second = gemma
+    # Per hit of 4 chunks: every chunk of the full-attention group, the last chunk (the
+    # 47 tokens before the boundary) of each sliding group.
+    page = 32 * 2 * 2 * 64 * 2  # one block of one layer: tokens x K,V x heads x head x bf16
+    assert set(second["page_bytes"]) == {page}
+    groups = zip(second["groups"], second["layers"], strict=True)
+    chunk_layers = [(1 if g[0] else 4) * n for g, n in groups]
+    assert sum(chunk_layers) < 4 * 3  # less than every layer of every chunk
+    assert second["totals"]["load_bytes"] == N * sum(chunk_layers) * (CHUNK // 32) * page
