@@ -313,9 +313,7 @@ class WorkerSide:
         ok: list[bytes] = []
         try:
             out = None
-            if staged is not None:
-                pass
-            elif isinstance(store, RemoteStore) and mover.device.type != "cuda":
+            if staged is None and isinstance(store, RemoteStore) and mover.device.type != "cuda":
                 # Same-host daemon: gather straight into memory it maps, so the put
                 # sends offsets and the daemon's copy into its tier is the only other
                 # one. (On CUDA the mover's pinned buffer stays: the device copy wants it.)

@@ -11,6 +11,9 @@ recompute, and hits after a restart (a new engine process, chunks loaded from nv
   with the connector (it declares ``SupportsHMA``), so the model has several KV-cache
   groups; a hit loads every block of the full-attention group and only the window
   before the boundary of the sliding ones.
+* gpt-oss (alternating sliding window and full attention, attention sinks, experts): as
+  Gemma 3, with a window (32 tokens) shorter than a chunk, so its sliding group stores
+  and loads only the last block of a chunk.
 
 Two engine processes per family, one after the other (family_driver.py).
 """
@@ -88,6 +91,11 @@ def deepseek(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
 
 
 @pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    return _runs("gpt_oss", tmp_path_factory.mktemp("gpt-oss"))
+
+
+@pytest.fixture(scope="module")
 def gemma(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
     return _runs("gemma3", tmp_path_factory.mktemp("gemma3"))
 
@@ -122,21 +130,41 @@ def test_mla_stores_one_latent_per_token(deepseek: tuple[dict, dict]) -> None:
     assert totals["save_bytes"] == N * 4 * CHUNK * 2 * 576 * 2
 
 
-def test_hybrid_groups_hit_and_restart_with_identical_outputs(gemma: tuple[dict, dict]) -> None:
-    first, second = gemma
+def _loaded_blocks_per_hit(run: dict) -> int:
+    """Blocks (of one layer) a hit of 4 chunks loads: every stored block of every chunk in
+    full-attention groups, the stored blocks of the last chunk in sliding ones."""
+    groups = zip(run["groups"], run["layers"], strict=True)
+    return sum((1 if sliding else 4) * tail * n for (sliding, tail, _), n in groups)
+
+
+PAGE = 32 * 2 * 2 * 64 * 2  # one block of one layer: tokens x K,V x heads x head x bf16
+
+
+@pytest.mark.parametrize("family", ["gemma", "gpt_oss"])
+def test_hybrid_groups_hit_and_restart_with_identical_outputs(
+    family: str, request: pytest.FixtureRequest
+) -> None:
+    first, second = request.getfixturevalue(family)
     _hits_and_restart(first, second)
     sliding = [g for g in second["groups"] if g[0]]
     full = [g for g in second["groups"] if not g[0]]
     assert sliding and full  # vLLM's hybrid KV-cache manager stayed on
 
 
-def test_hybrid_hit_loads_the_sliding_window_only(gemma: tuple[dict, dict]) -> None:
-    _, second = gemma
-    # Per hit of 4 chunks: every chunk of the full-attention group, the last chunk (the
-    # 47 tokens before the boundary) of each sliding group.
-    page = 32 * 2 * 2 * 64 * 2  # one block of one layer: tokens x K,V x heads x head x bf16
-    assert set(second["page_bytes"]) == {page}
-    groups = zip(second["groups"], second["layers"], strict=True)
-    chunk_layers = [(1 if g[0] else 4) * n for g, n in groups]
-    assert sum(chunk_layers) < 4 * 3  # less than every layer of every chunk
-    assert second["totals"]["load_bytes"] == N * sum(chunk_layers) * (CHUNK // 32) * page
+@pytest.mark.parametrize(
+    ("family", "layers", "blocks"),
+    [
+        # Gemma 3: window 47 tokens, both blocks of the last chunk in each sliding layer.
+        ("gemma", 3, 4 * 2 + 2 * 2),
+        # gpt-oss: window 31 tokens, the last block of the last chunk in the sliding layer.
+        ("gpt_oss", 2, 4 * 2 + 1),
+    ],
+)
+def test_hybrid_hit_loads_the_sliding_window_only(
+    family: str, layers: int, blocks: int, request: pytest.FixtureRequest
+) -> None:
+    _, second = request.getfixturevalue(family)
+    assert set(second["page_bytes"]) == {PAGE}
+    assert sum(second["layers"]) == layers
+    assert _loaded_blocks_per_hit(second) == blocks < 4 * 2 * layers  # less than every block
+    assert second["totals"]["load_bytes"] == N * blocks * PAGE
