@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -341,7 +342,17 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     @override
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker.get_finished(finished_req_ids), None
+        recving, _ = self.worker.take_recving()
+        return self.worker.get_finished(finished_req_ids), recving or None
+
+    @override
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        recving, failed = self.worker.take_recving()
+        return KVConnectorTransferResults(
+            finished_sending=set(self.worker.get_finished(finished_req_ids) or ()),
+            finished_recving=recving,
+            failed_recving=failed,
+        )
 
     @override
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -257,7 +257,13 @@ class SchedulerSide:
         hit = n * self.chunk_tokens - num_computed_tokens
         # Loads are synchronous (before this step's forward): on a CPU engine the copy
         # from host memory takes far less than a step, and the request runs at once.
-        return (hit, False) if hit > 0 else (0, False)
+        # A hybrid model's load is announced as asynchronous (it still runs before the
+        # step's forward, the request waits one step): vLLM takes a failed load of a
+        # model of several KV-cache groups only per request (failed_recving), never as
+        # block ids, which it cannot map back to a group.
+        if hit <= 0:
+            return 0, False
+        return hit, self.layout.hybrid
 
     def _matched(self, keys: list[bytes], num_tokens: int, pending: dict[bytes, Any]) -> int | None:
         if not self.layout.hybrid:

@@ -139,6 +139,10 @@ class WorkerSide:
         self._failed: dict[bytes, int] = {}
         self._missing: set[bytes] = set()
         self._load_errors: set[int] = set()
+        # A hybrid model's loads are vLLM-asynchronous: requests loaded, and those whose
+        # load failed (recomputed by vLLM from the start), reported per request.
+        self._recving: set[str] = set()
+        self._failed_recving: set[str] = set()
         self.stats = KVTierConnectorStats()
         self._totals: dict[str, float] = {}
         self._closed = False
@@ -249,9 +253,14 @@ class WorkerSide:
                 )
                 good, hi, written = 0, lo, 0
         with self._lock:
+            if self.layout.hybrid:
+                self._recving.add(op.req_id)
             if good < n:
                 failed = [b for b in op.block_ids[max(lo, hi) :] if b != NULL]
-                self._load_errors.update(failed)
+                if self.layout.hybrid:
+                    self._failed_recving.add(op.req_id)
+                else:
+                    self._load_errors.update(failed)
                 self._missing.update(op.keys[good:])
                 self.stats.add("load_failed_blocks", len(failed))
             self.stats.add("load_chunks", good)
@@ -276,6 +285,14 @@ class WorkerSide:
             rows = staging[: good * bpc]
             torch.distributed.broadcast(rows, src=tp.ranks[0], group=tp.cpu_group)
         return good
+
+    def take_recving(self) -> tuple[set[str], set[str]]:
+        """A hybrid model's requests whose loads ran since the last call, and those of
+        them whose load failed (vLLM recomputes these from their first token)."""
+        with self._lock:
+            out = (self._recving, self._failed_recving)
+            self._recving, self._failed_recving = set(), set()
+        return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()

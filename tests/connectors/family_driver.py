@@ -6,7 +6,8 @@ Usage: python -m tests.connectors.family_driver MODEL_DIR NVME_DIR OUT_JSON MODE
 MODE ``first``: serve each prompt twice (the second run hits what the first stored),
 then shut the engine down: the store moves what its host tier holds into nvme.
 MODE ``second``: a new engine process on the same configuration: serve the same prompts
-(hits loaded from nvme), then each under a fresh cache salt (the recompute reference).
+(hits loaded from nvme), then each under a fresh cache salt (the recompute reference),
+then the first prompt again after the store lost every chunk (a failed load).
 
 Both write token ids, cached token counts, the worker's counters and its group layout.
 """
@@ -58,6 +59,11 @@ def main(model: str, nvme_dir: str, out_path: str, mode: str) -> None:
     else:
         ref = [eng.generate(p, cache_salt="recompute") for p in prompts]
         r.update(ref=[x.tokens for x in ref], ref_cached=[x.num_cached_tokens for x in ref])
+        # A load that fails: the store loses the chunks after the scheduler last heard
+        # of them (as an eviction racing a lookup would); vLLM recomputes the prompt.
+        worker.store.delete(worker.store.keys())
+        lost = eng.generate(prompts[0])
+        r.update(lost=lost.tokens, lost_totals=eng.totals())
     r["totals"] = eng.totals()
     llm.llm_engine.engine_core.shutdown()
     Path(out_path).write_text(json.dumps(r))

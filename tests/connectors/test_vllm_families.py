@@ -83,6 +83,9 @@ def _hits_and_restart(first: dict, second: dict) -> None:
     assert second["totals"].get("load_failed_blocks", 0) == 0
     # The prompts' outputs differ: the weights make the output depend on the KV.
     assert len({tuple(t) for t in first["tokens"]}) == N
+    # A load that failed (the store lost the chunks) is recomputed, same output.
+    assert second["lost_totals"]["load_failed_blocks"] > 0
+    assert second["lost"] == first["tokens"][0]
 
 
 @pytest.fixture(scope="module")
