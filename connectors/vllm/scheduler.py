@@ -169,7 +169,7 @@ class SchedulerSide:
         self.scheme = scheme
         self.layout = layout or GroupLayout.of(scheme.spec, shape)
         # vLLM's null block id (a placeholder in the block tables of sliding-window
-        # groups); bind_null_block takes the pool's, block 0 until then.
+        # groups); the connector sets the pool's (bind_gpu_block_pool), block 0 until then.
         self.null_block_id = 0
         self.hasher = scheme.hasher()
         self.chunk_tokens = scheme.chunk_tokens

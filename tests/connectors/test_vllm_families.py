@@ -41,9 +41,9 @@ FULL = 4 * CHUNK  # full chunks of each 300-token prompt
 N = len(PROMPT_SEEDS)
 
 
-def _run(model: Path, nvme: Path, out: Path, mode: str) -> dict:
+def _run(model: Path, nvme: Path, out: Path, mode: str, tp: int = 1) -> dict:
     log = out.with_suffix(".log")
-    args = [str(model), str(nvme), str(out), mode]
+    args = [str(model), str(nvme), str(out), mode, str(tp)]
     with log.open("wb") as f:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.connectors.family_driver", *args],
@@ -53,7 +53,7 @@ def _run(model: Path, nvme: Path, out: Path, mode: str) -> dict:
             stderr=subprocess.STDOUT,
         )
     try:
-        rc = proc.wait(timeout=420)
+        rc = proc.wait(timeout=420 * tp)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
