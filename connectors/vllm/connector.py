@@ -35,7 +35,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -59,6 +58,7 @@ from .worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -347,6 +347,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     @override
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # Imported here: vLLM versions without it call get_finished instead.
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorTransferResults,
+        )
+
         recving, failed = self.worker.take_recving()
         return KVConnectorTransferResults(
             finished_sending=set(self.worker.get_finished(finished_req_ids) or ()),
