@@ -2,7 +2,10 @@
 
 A :class:`KVSpec` is built from explicit values or from a Hugging Face
 ``config.json``. Its fingerprint goes into every chunk key's namespace, so KV of two
-different geometries (or two TP ranks) can never be confused.
+different geometries (or two TP ranks holding different heads) can never be confused.
+An MLA latent is the same on every TP rank, so its fingerprint names no rank: the ranks
+share one copy. A hybrid model's KV-cache groups (:class:`KVGroup`: full attention,
+sliding window) are part of the geometry too.
 """
 
 from __future__ import annotations
@@ -66,6 +69,43 @@ _ALIASES = {
 }
 
 
+class LayerKind(enum.Enum):
+    """What a group of attention layers keeps of a sequence's KV."""
+
+    FULL = "full"  # every token's KV (full attention, MLA)
+    SLIDING = "sliding"  # the KV of the last tokens only (sliding-window attention)
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """One KV-cache group of a hybrid model: layers that share a block table.
+
+    Attributes:
+        kind: what the layers keep.
+        num_layers: layers in the group (on this rank's pipeline stage).
+        window_tokens: SLIDING only: tokens before a position that its attention still
+            reads (vLLM's ``sliding_window - 1``, plus tokens it retains below the
+            window); a prefix hit at token ``P`` needs tokens ``[P - window_tokens, P)``.
+    """
+
+    kind: LayerKind
+    num_layers: int
+    window_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise SpecError(f"KVGroup.num_layers must be >= 1, got {self.num_layers}")
+        if (self.kind is LayerKind.SLIDING) != (self.window_tokens > 0):
+            raise SpecError(
+                f"KVGroup: a SLIDING group has window_tokens > 0, others 0; got {self.kind.value} "
+                f"with window_tokens={self.window_tokens}"
+            )
+
+    @property
+    def canon(self) -> str:
+        return f"{self.kind.value}{self.num_layers}w{self.window_tokens}"
+
+
 @dataclass(frozen=True, slots=True)
 class KVSpec:
     """KV geometry of one model on one tensor-parallel rank.
@@ -79,6 +119,9 @@ class KVSpec:
         tp_rank: this rank, in [0, tp_size).
         tp_size: tensor-parallel degree; KV heads are split across ranks, or
             replicated when there are fewer heads than ranks (as vLLM does).
+        groups: the KV-cache groups of a hybrid model, in vLLM's group order; empty
+            for one group of every layer (plain attention, or vLLM's hybrid KV-cache
+            manager off). Their layers sum to ``num_layers``.
     """
 
     num_layers: int
@@ -88,6 +131,7 @@ class KVSpec:
     mla: bool = False
     tp_rank: int = 0
     tp_size: int = 1
+    groups: tuple[KVGroup, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_size", "tp_size"):
@@ -95,6 +139,16 @@ class KVSpec:
                 raise SpecError(f"KVSpec.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise SpecError(f"KVSpec.tp_rank {self.tp_rank} not in [0, {self.tp_size})")
+        if self.groups and sum(g.num_layers for g in self.groups) != self.num_layers:
+            raise SpecError(
+                f"KVSpec.groups hold {sum(g.num_layers for g in self.groups)} layers, "
+                f"num_layers is {self.num_layers}"
+            )
+
+    @property
+    def replicated(self) -> bool:
+        """Whether every TP rank holds the same KV (an MLA latent): stored once, not per rank."""
+        return self.mla
 
     @property
     def kv_heads_per_rank(self) -> int:
@@ -115,13 +169,32 @@ class KVSpec:
         """Bytes of one chunk of ``chunk_tokens`` tokens on this rank."""
         return self.bytes_per_token * chunk_tokens
 
+    def entry_bytes(self, chunk_tokens: int) -> int:
+        """Bytes of the smallest stored entry of one chunk on this rank.
+
+        A hybrid model stores each group's KV of a chunk as an entry of its own, so a
+        store of a given capacity holds at most ``capacity // entry_bytes`` entries;
+        a model of one group stores one entry per chunk (:meth:`chunk_bytes`).
+        """
+        if not self.groups:
+            return self.chunk_bytes(chunk_tokens)
+        per_layer = self.bytes_per_token // self.num_layers
+        return min(g.num_layers for g in self.groups) * per_layer * chunk_tokens
+
     @property
     def fingerprint(self) -> str:
-        """Stable 16-hex-digit id of this geometry and rank; part of every key's namespace."""
+        """Stable 16-hex-digit id of this geometry and rank; part of every key's namespace.
+
+        An MLA latent is the same on every TP rank and at every TP degree, so its
+        fingerprint is that of rank 0 of 1: all ranks name one copy.
+        """
+        rank, size = (0, 1) if self.replicated else (self.tp_rank, self.tp_size)
         canon = (
             f"kvspec/v1:{self.num_layers}:{self.num_kv_heads}:{self.head_size}:"
-            f"{self.dtype.value}:{int(self.mla)}:{self.tp_rank}:{self.tp_size}"
+            f"{self.dtype.value}:{int(self.mla)}:{rank}:{size}"
         )
+        if self.groups:
+            canon += ":groups=" + ",".join(g.canon for g in self.groups)
         return xxhash.xxh3_64_hexdigest(canon.encode())
 
     @classmethod

@@ -12,6 +12,12 @@ Enable it with::
 ``kv_role``: ``kv_producer`` saves and never loads, ``kv_consumer`` loads and never saves,
 ``kv_both`` does both; the prefill handoff rides in ``kv_transfer_params`` (handoff.py).
 
+Models: plain attention, MLA (the latent stored once, by TP rank 0), and hybrid models of
+full-attention and sliding-window layers. The connector implements vLLM's ``SupportsHMA``,
+so vLLM keeps its hybrid KV-cache manager on with it: each KV-cache group is stored and
+loaded as it needs (groups.py). State-space and linear-attention layers (Mamba, Qwen3-Next)
+and other cache kinds are refused at start.
+
 vLLM builds this class twice, in different processes: with the SCHEDULER role in the
 EngineCore (a :class:`SchedulerSide`) and with the WORKER role in each worker (a
 :class:`WorkerSide`). Every method delegates to the one its role built.
@@ -29,11 +35,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.errors import SpecError
-from kvtier.spec import DType, KVSpec
+from kvtier.spec import DType, KVGroup, KVSpec, LayerKind
 
 from .handoff import Role
 from .keys import KeyScheme
@@ -51,9 +58,11 @@ from .worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -79,42 +88,135 @@ def route_logs(level: str) -> None:
     kv.setLevel(level.upper())
 
 
-def spec_from_vllm(vllm_config: VllmConfig, tp_rank: int = 0) -> KVSpec:
-    """This engine's KV geometry as a kvtier spec (whole model, one TP rank).
+def kv_groups(
+    kv_cache_config: KVCacheConfig | None, block_size: int
+) -> tuple[tuple[KVGroup, ...], tuple[tuple[str, ...], ...]]:
+    """The KV-cache groups kvtier serves, and their layer names; ``((), ())`` for one
+    group of full attention (plain models, or vLLM's hybrid KV-cache manager off).
 
     Raises:
-        SpecError: MLA models (a later issue), or a cache dtype kvtier cannot name.
+        SpecError: a group kvtier cannot serve (state spaces, linear attention, chunked
+            local attention, cross attention, ...), or one of another block size.
+    """
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    if kv_cache_config is None:
+        return (), ()
+    specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+    served = "full attention, MLA and sliding-window attention"
+    for spec in specs:
+        if isinstance(spec, MambaSpec):
+            raise SpecError(
+                f"kvtier's vLLM connector serves {served}; this model has state-space or "
+                f"linear-attention layers ({type(spec).__name__}), whose state vLLM's connector "
+                "API does not carry per token: run it without kv_transfer_config"
+            )
+    if len(specs) == 1 and not isinstance(specs[0], SlidingWindowSpec):
+        return (), ()  # one group: every layer keeps every token (as kvtier always served)
+    groups: list[KVGroup] = []
+    for g, spec in zip(kv_cache_config.kv_cache_groups, specs, strict=True):
+        if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
+            groups.append(KVGroup(LayerKind.FULL, len(g.layer_names)))
+        elif isinstance(spec, SlidingWindowSpec):
+            window = spec.sliding_window - 1 + getattr(spec, "extra_retained_tokens", 0)
+            groups.append(KVGroup(LayerKind.SLIDING, len(g.layer_names), max(1, window)))
+        else:
+            raise SpecError(
+                f"kvtier's vLLM connector serves {served}; this model has a KV-cache group of "
+                f"{type(spec).__name__}: run it without kv_transfer_config"
+            )
+        if spec.block_size != block_size:
+            raise SpecError(
+                f"kvtier needs every KV-cache group in blocks of {block_size} tokens; a "
+                f"{type(spec).__name__} group has {spec.block_size}"
+            )
+    names = tuple(tuple(g.layer_names) for g in kv_cache_config.kv_cache_groups)
+    return tuple(groups), names
+
+
+def spec_from_vllm(
+    vllm_config: VllmConfig, tp_rank: int = 0, groups: tuple[KVGroup, ...] = ()
+) -> KVSpec:
+    """This engine's KV geometry as a kvtier spec (whole model, one TP rank).
+
+    An MLA model's KV is one latent of ``kv_lora_rank + qk_rope_head_dim`` elements per
+    token and layer, the same on every TP rank. ``groups``: a hybrid model's KV-cache
+    groups (:func:`kv_groups`); their layers then count the model's.
+
+    Raises:
+        SpecError: a cache dtype kvtier cannot name.
     """
     mc = vllm_config.model_config
-    if mc.use_mla:
-        raise SpecError(
-            f"kvtier's vLLM connector does not support MLA models yet ({mc.model} uses multi-head "
-            "latent attention); run without kv_transfer_config, or use a non-MLA model"
-        )
     cache_dtype = vllm_config.cache_config.cache_dtype
     dtype_name = str(mc.dtype) if cache_dtype == "auto" else str(cache_dtype)
     pc = vllm_config.parallel_config
+    text = mc.hf_text_config
+    layers = sum(g.num_layers for g in groups) if groups else int(text.num_hidden_layers)
+    if mc.use_mla:
+        rank = getattr(text, "kv_lora_rank", None)
+        rope = getattr(text, "qk_rope_head_dim", None)
+        head = int(rank) + int(rope) if rank and rope is not None else mc.get_head_size()
+        heads = 1
+    else:
+        head, heads = mc.get_head_size(), mc.get_total_num_kv_heads()
     return KVSpec(
-        num_layers=int(mc.hf_text_config.num_hidden_layers),
-        num_kv_heads=mc.get_total_num_kv_heads(),
-        head_size=mc.get_head_size(),
+        num_layers=layers,
+        num_kv_heads=heads,
+        head_size=head,
         dtype=DType.parse(dtype_name),
+        mla=bool(mc.use_mla),
         tp_rank=tp_rank,
         tp_size=pc.tensor_parallel_size,
+        groups=groups,
     )
 
 
-class KVTierConnector(KVConnectorBase_V1):
+def load_refusal(vllm_config: VllmConfig) -> str | None:
+    """Why this engine must never load KV, or None when it can.
+
+    vLLM's CPU MLA backend computes no prefill over cached context: vLLM turns chunked
+    prefill and its own prefix caching off for it. A load would then be followed by a
+    prefill that ignores the loaded latents (a wrong answer), so kvtier stores and never
+    loads there. (The AMX MLA backend, where vLLM keeps prefix caching on, loads.)
+    """
+    from vllm.platforms import current_platform
+
+    mc = vllm_config.model_config
+    if (
+        mc.use_mla
+        and current_platform.is_cpu()
+        and not vllm_config.cache_config.enable_prefix_caching
+    ):
+        return (
+            "vLLM's CPU MLA backend computes no prefill over cached context (vLLM turned "
+            "chunked prefill and prefix caching off): kvtier stores this model's KV but "
+            "loads none; hits need a backend that prefills over context (CUDA, CPU AMX)"
+        )
+    return None
+
+
+def storing_ranks(spec: KVSpec, world_size: int) -> int:
+    """Workers that store a copy of each chunk: every rank, or one per PP stage for a
+    KV that every TP rank holds alike (MLA)."""
+    return world_size // spec.tp_size if spec.replicated else world_size
+
+
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """kvtier's tiered KV cache behind vLLM's connector API (best effort: a miss recomputes).
 
     Args:
         vllm_config: the engine's configuration.
         role: SCHEDULER (EngineCore process) or WORKER (each worker process).
-        kv_cache_config: vLLM's KV cache layout; one KV-cache group is supported.
+        kv_cache_config: vLLM's KV cache layout: its KV-cache groups (:func:`kv_groups`).
 
     Raises:
         ConfigError: bad kvtier settings in ``kv_connector_extra_config``.
-        SpecError: an MLA model or several KV-cache groups.
+        SpecError: a KV-cache group kvtier cannot serve (:func:`kv_groups`).
     """
 
     _cache_hit_source = CacheHitSource.HOST
@@ -131,12 +233,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self.kv_role = Role.parse(ktc.kv_role)
         prefill_wait_s = prefill_wait_from_extra(extra)
         shape = ChunkShape.of(self.cfg.store.chunk_tokens, int(vllm_config.cache_config.block_size))
-        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
-            raise SpecError(
-                "kvtier's vLLM connector supports one KV-cache group (plain attention models); "
-                f"this model has {len(kv_cache_config.kv_cache_groups)}"
-            )
-        spec = spec_from_vllm(vllm_config)
+        groups, group_layers = kv_groups(kv_cache_config, shape.block_size)
+        spec = spec_from_vllm(vllm_config, groups=groups)
         if ktc.kv_load_failure_policy == "fail":
             # kvtier is a cache: a chunk that fails to load is a miss, recomputed, never a
             # failed request. vLLM reads the policy right after building the connector.
@@ -149,22 +247,25 @@ class KVTierConnector(KVConnectorBase_V1):
                 str(vllm_config.model_config.model), spec, self.cfg.store.chunk_tokens
             )
             per_rank = replace(spec, tp_rank=0)
+            stores = storing_ranks(spec, vllm_config.parallel_config.world_size)
+            refusal = load_refusal(vllm_config)
+            if refusal is not None:
+                log.warning("kvtier: %s", refusal)
             remote = None
             if self.daemon is not None:
                 chunk_bytes = per_rank.chunk_bytes(self.cfg.store.chunk_tokens)
-                remote = DaemonLookup(
-                    RemoteStore(self.daemon, chunk_bytes), vllm_config.parallel_config.world_size
-                )
+                remote = DaemonLookup(RemoteStore(self.daemon, chunk_bytes), stores)
             self._sched = SchedulerSide(
                 scheme,
                 shape,
-                world_size=vllm_config.parallel_config.world_size,
+                world_size=stores,
                 mirror_capacity=mirror_capacity(
-                    self.cfg, per_rank.chunk_bytes(self.cfg.store.chunk_tokens)
+                    self.cfg, per_rank.entry_bytes(self.cfg.store.chunk_tokens)
                 ),
                 remote=remote,
                 role=self.kv_role,
                 prefill_wait_s=prefill_wait_s,
+                can_load=refusal is None,
             )
             log.info(
                 "kvtier connector: %s (%s)",
@@ -180,7 +281,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
             rank_spec = replace(spec, tp_rank=get_tensor_model_parallel_rank())
             self._worker = WorkerSide(
-                self.cfg, rank_spec, get_pp_group().rank_in_group, shape, self.daemon
+                self.cfg, rank_spec, get_pp_group().rank_in_group, shape, self.daemon, group_layers
             )
 
     # -- helpers --------------------------------------------------------------------------
@@ -241,7 +342,22 @@ class KVTierConnector(KVConnectorBase_V1):
 
     @override
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker.get_finished(finished_req_ids), None
+        recving, _ = self.worker.take_recving()
+        return self.worker.get_finished(finished_req_ids), recving or None
+
+    @override
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # Imported here: vLLM versions without it call get_finished instead.
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorTransferResults,
+        )
+
+        recving, failed = self.worker.take_recving()
+        return KVConnectorTransferResults(
+            finished_sending=set(self.worker.get_finished(finished_req_ids) or ()),
+            finished_recving=recving,
+            failed_recving=failed,
+        )
 
     @override
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -297,3 +413,15 @@ class KVTierConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.sched.request_finished(request)
+
+    @override
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM's hybrid KV-cache manager calls this instead of request_finished.
+        return self.sched.request_finished(request)
+
+    @override
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        # Sliding-window block tables hold the pool's null block below the window.
+        self.sched.null_block_id = gpu_block_pool.null_block.block_id

@@ -29,17 +29,21 @@ class LoadOp:
 
     Attributes:
         req_id: vLLM's internal request id.
-        keys: logical keys of the chunks, in prompt order.
-        block_ids: the blocks of those chunks (``blocks_per_chunk`` per key), in order.
+        keys: logical keys of the chunks, in prompt order (a hybrid model: the keys of
+            one group's entries, groups.py).
+        block_ids: the blocks of those chunks (``blocks_per_chunk`` per key, or the
+            group's ``tail_blocks``), in order; ``groups.NULL`` where nothing is written.
         skip_blocks: leading blocks that already hold vLLM's own prefix-cache hit; their
             bytes are read but not written (a chunk is the unit of lookup, a block is the
             unit of vLLM's cache).
+        group: vLLM's KV-cache group of the blocks (0 for a model of one group).
     """
 
     req_id: str
     keys: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     skip_blocks: int
+    group: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,17 +53,20 @@ class SaveOp:
     Attributes:
         req_id: vLLM's internal request id; its blocks stay allocated until the worker
             reports it in ``finished_sending``.
-        keys: logical keys of the chunks.
-        block_ids: their blocks, ``blocks_per_chunk`` per key, in order.
+        keys: logical keys of the chunks (a hybrid model: one group's entry keys).
+        block_ids: their blocks, ``blocks_per_chunk`` per key (or the group's
+            ``tail_blocks``), in order.
         prefix: logical keys of the request's earlier chunks (saved by earlier steps,
             loaded, or already stored): the put protects them while it makes room, so a
             prompt longer than the store keeps its head, not a tail no lookup reaches.
+        group: vLLM's KV-cache group of the blocks (0 for a model of one group).
     """
 
     req_id: str
     keys: tuple[bytes, ...]
     block_ids: tuple[int, ...]
     prefix: tuple[bytes, ...] = ()
+    group: int = 0
 
 
 @dataclass

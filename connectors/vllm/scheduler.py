@@ -25,6 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .groups import GroupLayout, as_groups, null_to_sentinel
 from .handoff import PrefillWaits, Role, handoff_of, producer_params
 from .keys import KeyScheme, request_extra
 from .metadata import (
@@ -52,7 +53,7 @@ class _Req:
     """What the scheduler side tracks for one request between allocation and finish."""
 
     request: Request
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV-cache group (one group: plain attention)
     keys: list[bytes] = field(default_factory=list)  # logical keys of full chunks hashed so far
     extra: bytes = b""
     next_chunk: int = 0  # chunks [0, next_chunk) are loaded, saved or planned
@@ -130,14 +131,18 @@ class SchedulerSide:
     Args:
         scheme: the key scheme (model, spec, chunk size).
         shape: how chunks tile vLLM's blocks.
-        world_size: workers that each hold their own store (TP x PP); a key is loadable
-            once all of them confirmed it.
+        world_size: workers that each store their own copy (TP x PP; PP alone for an
+            MLA model, whose latent TP rank 0 stores for all); a key is loadable once all
+            of them confirmed it.
         mirror_capacity: most keys the daemon-mode mirror lists.
         remote: daemon mode: asks the shared daemon for chunks beyond the mirror (stored by
             other engines).
         role: vLLM's ``kv_role``: a producer never loads, a consumer never saves
             (handoff.py).
         prefill_wait_s: longest wait for a prefill named in ``kv_transfer_params``.
+        layout: the model's KV-cache groups (groups.py); default one full-attention group.
+        can_load: False where the engine cannot compute a prompt's tail over loaded KV
+            (vLLM's CPU MLA backend): saves go on, every lookup is a miss.
     """
 
     # How long a request may wait for the workers' salts and index snapshots (they
@@ -158,8 +163,14 @@ class SchedulerSide:
         remote: DaemonLookup | None = None,
         role: Role = Role.BOTH,
         prefill_wait_s: float = 0.0,
+        layout: GroupLayout | None = None,
+        can_load: bool = True,
     ) -> None:
         self.scheme = scheme
+        self.layout = layout or GroupLayout.of(scheme.spec, shape)
+        # vLLM's null block id (a placeholder in the block tables of sliding-window
+        # groups); the connector sets the pool's (bind_gpu_block_pool), block 0 until then.
+        self.null_block_id = 0
         self.hasher = scheme.hasher()
         self.chunk_tokens = scheme.chunk_tokens
         self.block_size = shape.block_size
@@ -170,6 +181,7 @@ class SchedulerSide:
         )
         self.remote = remote
         self.role = role
+        self.can_load = can_load
         self.waits = PrefillWaits(prefill_wait_s, shared=remote is not None, role=role)
         self._salt_wait_since: float | None = None
         # Daemon lookups per request: req id -> (last key asked, when). What the daemon
@@ -213,10 +225,10 @@ class SchedulerSide:
         keys = self._keys(request)
         rid = request.request_id
         limit = (request.num_tokens - 1) // self.chunk_tokens
-        if not self.role.loads:
+        if not self.role.loads or not self.can_load:
             # A producer computes every token. It asks the daemon only so that it does not
             # save again what another engine stored (_remote_hits adds it to the mirror).
-            n = matched_chunks(keys, request.num_tokens, self.chunk_tokens, self.mirror, {})
+            n = self._matched(keys, request.num_tokens, {})
             if self.remote is not None and n is not None and n < limit and self.remote.ready():
                 self._remote_hits(rid, keys[n:limit])
             return 0, False
@@ -225,7 +237,7 @@ class SchedulerSide:
             arrived = self._arrived[rid] = (self._step, time.monotonic())
         if not self.mirror.ready() and self._waiting_for_workers():
             return None, False
-        n = matched_chunks(keys, request.num_tokens, self.chunk_tokens, self.mirror, self._pending)
+        n = self._matched(keys, request.num_tokens, self._pending)
         if n is None:
             return None, False
         handoff = handoff_of(request.kv_transfer_params, rid)
@@ -245,7 +257,19 @@ class SchedulerSide:
         hit = n * self.chunk_tokens - num_computed_tokens
         # Loads are synchronous (before this step's forward): on a CPU engine the copy
         # from host memory takes far less than a step, and the request runs at once.
-        return (hit, False) if hit > 0 else (0, False)
+        # A hybrid model's load is announced as asynchronous (it still runs before the
+        # step's forward, the request waits one step): vLLM takes a failed load of a
+        # model of several KV-cache groups only per request (failed_recving), never as
+        # block ids, which it cannot map back to a group.
+        if hit <= 0:
+            return 0, False
+        return hit, self.layout.hybrid
+
+    def _matched(self, keys: list[bytes], num_tokens: int, pending: dict[bytes, Any]) -> int | None:
+        if not self.layout.hybrid:
+            return matched_chunks(keys, num_tokens, self.chunk_tokens, self.mirror, pending)
+        limit = (num_tokens - 1) // self.chunk_tokens
+        return self.layout.matched(keys, limit, self.mirror, pending)
 
     def _waiting_for_workers(self) -> bool:
         """True while the workers' first metadata may still come (bounded wait)."""
@@ -278,17 +302,23 @@ class SchedulerSide:
             return 0  # asked already: what it held is in the mirror now
         if not remote.ready():
             return None if self._waiting_for_workers() else 0
-        hits = remote.hits(keys)
+        if not self.layout.hybrid:
+            hits = remote.hits(keys)
+        else:  # every group's entry of each chunk (sliding ones too: a conservative hit)
+            hits = len(keys)
+            for g in self.layout.groups:
+                hits = min(hits, remote.hits([self.layout.key(k, g.index) for k in keys[:hits]]))
         self._remote_memo[req_id] = (keys[-1], now)
         for key in keys[:hits]:
-            self.mirror.confirm(key)
+            for k in self.layout.keys_of(key):
+                self.mirror.confirm(k)
         return hits
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         rid = request.request_id
-        block_ids = list(blocks.get_block_ids()[0])
+        block_ids = self._group_ids(blocks.get_block_ids())
         st = self._reqs.get(rid)
         if st is None:
             st = _Req(request, block_ids, extra=_extra(request))
@@ -310,15 +340,21 @@ class SchedulerSide:
         if len(st.keys) < last:
             st.keys = keys[:last]  # the same chained keys _plan_saves extends
         bpc = self.blocks_per_chunk
-        self._loads.append(
-            LoadOp(
-                rid,
-                tuple(keys[first:last]),
-                tuple(block_ids[first * bpc : last * bpc]),
-                local // self.block_size - first * bpc,
+        if not self.layout.hybrid:
+            self._loads.append(
+                LoadOp(
+                    rid,
+                    tuple(keys[first:last]),
+                    tuple(block_ids[0][first * bpc : last * bpc]),
+                    local // self.block_size - first * bpc,
+                )
             )
-        )
-        self.mirror.touch(keys[first:last])
+            self.mirror.touch(keys[first:last])
+        else:
+            plan = self.layout.load_plan(keys, block_ids, first, last, local // self.block_size)
+            for group, gkeys, gblocks in plan:
+                self._loads.append(LoadOp(rid, tuple(gkeys), tuple(gblocks), 0, group))
+                self.mirror.touch(gkeys)
         self.stats.add("hit_tokens", num_external_tokens)
 
     # -- per step -------------------------------------------------------------------------
@@ -333,7 +369,7 @@ class SchedulerSide:
         for new in so.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is not None:
-                st.block_ids = list(new.block_ids[0])
+                st.block_ids = self._group_ids(new.block_ids)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             st = self._reqs.get(rid)
@@ -341,15 +377,23 @@ class SchedulerSide:
                 continue
             new_ids = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
-                st.block_ids = list(new_ids[0]) if new_ids else []
+                st.block_ids = self._group_ids(new_ids)
             elif new_ids is not None:
-                st.block_ids.extend(new_ids[0])
+                for mine, more in zip(st.block_ids, self._group_ids(new_ids), strict=True):
+                    mine.extend(more)
         for rid, n_sched in so.num_scheduled_tokens.items():
             st = self._reqs.get(rid)
             if st is not None:
                 self._plan_saves(st, n_sched, meta)
         self._step += 1
         return meta
+
+    def _group_ids(self, block_ids: Any) -> list[list[int]]:
+        """vLLM's per-group block ids as lists; in hybrid layouts its null block is NULL."""
+        groups = as_groups(block_ids, len(self.layout.groups))
+        if self.layout.hybrid:
+            groups = [null_to_sentinel(g, self.null_block_id) for g in groups]
+        return groups
 
     def _plan_saves(self, st: _Req, n_sched: int, meta: KVTierMetadata) -> None:
         if not self.role.saves:
@@ -359,7 +403,7 @@ class SchedulerSide:
         # num_computed_tokens is not yet advanced: after this step it grows by n_sched.
         # Speculative tokens are scheduled but not in all_token_ids: cap by those.
         done = min(req.num_computed_tokens + n_sched, len(req.all_token_ids))
-        n_full = min(done // C, len(st.block_ids) // self.blocks_per_chunk)
+        n_full = min(done // C, max(len(g) for g in st.block_ids) // self.blocks_per_chunk)
         if n_full <= st.next_chunk:
             return
         if len(st.keys) < n_full:
@@ -367,23 +411,32 @@ class SchedulerSide:
             tokens = req.all_token_ids[len(st.keys) * C : n_full * C]
             extra = b"" if parent is not None else st.extra
             st.keys.extend(self.hasher.keys(tokens, extra, parent))  # type: ignore[arg-type]
-        keys: list[bytes] = []
-        blocks: list[int] = []
-        bpc = self.blocks_per_chunk
-        for i in range(st.next_chunk, n_full):
-            key = st.keys[i]
-            if key in self.mirror or key in self._pending:
-                continue
-            keys.append(key)
-            blocks.extend(st.block_ids[i * bpc : (i + 1) * bpc])
-            self._pending[key] = [0, 0, self._step]
-            self._open_steps[self._step] = self._open_steps.get(self._step, 0) + 1
+        for g in self.layout.groups:
+            keys: list[bytes] = []
+            blocks: list[int] = []
+            for i in range(st.next_chunk, n_full):
+                key = self.layout.key(st.keys[i], g.index)
+                if key in self.mirror or key in self._pending:
+                    continue
+                tail = self.layout.save_blocks(st.block_ids, g, i)
+                if not tail:
+                    continue
+                keys.append(key)
+                blocks.extend(tail)
+                self._pending[key] = [0, 0, self._step]
+                self._open_steps[self._step] = self._open_steps.get(self._step, 0) + 1
+            if keys:
+                saving = set(keys)
+                prefix = tuple(
+                    k
+                    for k in (self.layout.key(x, g.index) for x in st.keys[:n_full])
+                    if k not in saving
+                )
+                meta.saves.append(
+                    SaveOp(req.request_id, tuple(keys), tuple(blocks), prefix, g.index)
+                )
+                st.had_saves = True
         st.next_chunk = n_full
-        if keys:
-            saving = set(keys)
-            prefix = tuple(k for k in st.keys[:n_full] if k not in saving)
-            meta.saves.append(SaveOp(req.request_id, tuple(keys), tuple(blocks), prefix))
-            st.had_saves = True
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Hold the blocks (True) while a save of this request may still read them."""
@@ -426,7 +479,7 @@ class SchedulerSide:
             # vLLM recomputes the chunks that failed to load; offer them for saving again.
             for st in self._reqs.values():
                 for i in range(min(st.next_chunk, len(st.keys))):
-                    if st.keys[i] in worker_meta.missing:
+                    if any(k in worker_meta.missing for k in self.layout.keys_of(st.keys[i])):
                         st.next_chunk = i
                         break
 

@@ -12,6 +12,16 @@ arena, ``HostTier.shm_path``, that other processes on the host can map) and move
   into the store. A request whose saves are queued keeps its blocks (the scheduler side
   returned True from ``request_finished``) until ``get_finished`` reports it.
 
+A hybrid model (several KV-cache groups, groups.py) gets one mover per group, over that
+group's layers; every load and save names its group. A sliding-window group's blocks can
+be freed while its request still runs, so its saves are gathered on the engine thread,
+before the step returns, and only put on the save thread.
+
+An MLA model's latent is the same on every TP rank: TP rank 0 of each pipeline stage
+stores it for all. With a daemon every rank reads it from there; with embedded stores
+only TP rank 0 has one, and it sends what it loaded to the other TP ranks (a broadcast
+over vLLM's TP group, on its CPU group).
+
 Threading: vLLM calls the public methods on the worker's engine thread; the save thread
 touches only the mover (reads), the store (thread-safe) and the fields under ``_lock``.
 """
@@ -34,6 +44,7 @@ from kvtier.factory import build_store
 from kvtier.spec import KVSpec
 from kvtier.store.store import TieredStore
 
+from .groups import NULL, GroupLayout
 from .keys import rank_keys, rank_salt
 from .metadata import (
     KVTierConnectorStats,
@@ -85,6 +96,8 @@ class WorkerSide:
         pp_rank: pipeline stage, part of the rank keys.
         shape: how chunks tile vLLM's blocks.
         daemon: a running kvtier daemon to use instead of an embedded store (remote.py).
+        group_layers: a hybrid model: the layer names of each KV-cache group, in vLLM's
+            group order (empty: one group of every layer).
     """
 
     def __init__(
@@ -94,6 +107,7 @@ class WorkerSide:
         pp_rank: int,
         shape: ChunkShape,
         daemon: DaemonSettings | None = None,
+        group_layers: tuple[tuple[str, ...], ...] = (),
     ) -> None:
         self.cfg = cfg
         self.spec = spec
@@ -101,9 +115,16 @@ class WorkerSide:
         self.block_size = shape.block_size
         self.chunk_tokens = shape.chunk_tokens
         self.blocks_per_chunk = shape.blocks_per_chunk
+        self.layout = GroupLayout.of(spec, shape)
+        self.group_layers = group_layers
         self.mover: BlockMover | None = None
+        self.movers: list[BlockMover] = []  # per KV-cache group; movers[0] is self.mover
         self.store: TieredStore | RemoteStore | None = None
         self.daemon = daemon
+        # An MLA latent: TP rank 0 stores it for every rank; with embedded stores the
+        # other ranks get what it loaded by broadcast (they hold no store).
+        self.saves = not spec.replicated or spec.tp_rank == 0
+        self.broadcast = spec.replicated and spec.tp_size > 1 and daemon is None
         # Daemon mode: this rank's key salt, announced to the scheduler side in every
         # worker metadata so that it can look up other engines' chunks (remote.py).
         self._announce: frozenset[bytes] = frozenset()
@@ -118,6 +139,10 @@ class WorkerSide:
         self._failed: dict[bytes, int] = {}
         self._missing: set[bytes] = set()
         self._load_errors: set[int] = set()
+        # A hybrid model's loads are vLLM-asynchronous: requests loaded, and those whose
+        # load failed (recomputed by vLLM from the start), reported per request.
+        self._recving: set[str] = set()
+        self._failed_recving: set[str] = set()
         self.stats = KVTierConnectorStats()
         self._totals: dict[str, float] = {}
         self._closed = False
@@ -134,16 +159,30 @@ class WorkerSide:
             mover: a mover to use instead of :func:`~.mover.select_mover`'s (the CUDA
                 transfer engine for CUDA caches, the torch mover on CPU or as fallback).
         """
-        self.mover = mover or select_mover(list(kv_caches.values()))
-        value_bytes = self.mover.block_bytes * self.blocks_per_chunk
+        if self.group_layers:
+            self.movers = [select_mover([kv_caches[n] for n in ns]) for ns in self.group_layers]
+        else:
+            self.movers = [mover or select_mover(list(kv_caches.values()))]
+        self.mover = self.movers[0]
+        # The largest entry: a hybrid model's groups store entries of their own sizes.
+        value_bytes = max(
+            m.block_bytes * g.tail_blocks
+            for m, g in zip(self.movers, self.layout.groups, strict=True)
+        )
         self._salt = rank_salt(self.spec, self.pp_rank, self.mover.layout)
         if self.daemon is not None:
             self.store = RemoteStore(self.daemon, value_bytes)
             self._announce = frozenset({self._salt})
-        else:
+        elif self.saves:
             cfg = rank_dirs(self.cfg, self.spec, self.pp_rank)
             self.store = build_store(cfg, spec=self.spec, chunk_bytes=value_bytes).store
             self._feed = IndexFeed(self.store)
+        else:
+            log.info(
+                "kvtier worker: MLA latent, TP rank %d: loads come from TP rank 0's store",
+                self.spec.tp_rank,
+            )
+            return
         log.info(
             "kvtier worker: %s, %d layers, %d B per block-layer (%s), chunk %d tokens = %d B; "
             "tiers %s",
@@ -155,6 +194,16 @@ class WorkerSide:
             value_bytes,
             [f"{t.name}:{t.capacity_bytes}B" for t in self.store.tiers],
         )
+        if self.layout.hybrid:
+            log.info(
+                "kvtier worker: %d KV-cache groups: %s",
+                len(self.movers),
+                ", ".join(
+                    f"{'sliding' if g.sliding else 'full'} x{m.num_layers} layers "
+                    f"({g.tail_blocks} of {self.blocks_per_chunk} blocks per chunk)"
+                    for g, m in zip(self.layout.groups, self.movers, strict=True)
+                ),
+            )
 
     # -- loads (engine thread, before the forward) -----------------------------------------
 
@@ -163,11 +212,11 @@ class WorkerSide:
             self._load(op)
 
     def _load(self, op: LoadOp) -> None:
-        store, mover = self.store, self.mover
-        assert store is not None and mover is not None
+        store, mover = self.store, self.movers[op.group]
+        assert store is not None or self.broadcast
         t0 = time.perf_counter()
         n = len(op.keys)
-        bpc = self.blocks_per_chunk
+        bpc = len(op.block_ids) // max(1, n)  # blocks per entry: a group may store a tail
         staging = mover.host_buffer(n * bpc)
         if isinstance(store, RemoteStore) and not staging.is_pinned():
             # Same-host daemon: it copies straight from its tier into this buffer. (A
@@ -176,32 +225,74 @@ class WorkerSide:
             if shared is not None:
                 staging = torch.from_numpy(shared).view(staging.shape)
         good = 0
-        try:
-            res = store.get(rank_keys(self._salt, op.keys), staging.numpy()).result()
-            expected = mover.block_bytes * bpc
-            # A chunk of another length is not this geometry's KV: never scatter it.
-            while good < res.chunks and res.value_bytes[good] == expected:
-                good += 1
-        except KVTierError as exc:
-            log.warning("kvtier load of %d chunks failed; vLLM recomputes them: %s", n, exc)
+        if store is not None:
+            try:
+                res = store.get(rank_keys(self._salt, op.keys), staging.numpy()).result()
+                expected = mover.block_bytes * bpc
+                # A chunk of another length is not this geometry's KV: never scatter it.
+                while good < res.chunks and res.value_bytes[good] == expected:
+                    good += 1
+            except KVTierError as exc:
+                log.warning("kvtier load of %d chunks failed; vLLM recomputes them: %s", n, exc)
+        if self.broadcast:
+            good = self._share(staging, good, bpc)
         lo, hi = op.skip_blocks, good * bpc
+        written = 0
         if hi > lo:
             try:
-                mover.scatter(staging[lo:hi], op.block_ids[lo:hi])
+                rows, ids = staging[lo:hi], op.block_ids[lo:hi]
+                if NULL in ids:  # a sliding window's null blocks: nothing to write
+                    keep = [i for i, b in enumerate(ids) if b != NULL]
+                    rows = rows[torch.tensor(keep, dtype=torch.long)]
+                    ids = tuple(ids[i] for i in keep)
+                mover.scatter(rows, ids)
+                written = len(ids)
             except KVTierError as exc:  # e.g. the engine refusing the ids: recompute
                 log.warning(
                     "kvtier scatter of %d blocks failed; vLLM recomputes them: %s", hi - lo, exc
                 )
-                good, hi = 0, lo
+                good, hi, written = 0, lo, 0
         with self._lock:
+            if self.layout.hybrid:
+                self._recving.add(op.req_id)
             if good < n:
-                self._load_errors.update(op.block_ids[max(lo, hi) :])
+                failed = [b for b in op.block_ids[max(lo, hi) :] if b != NULL]
+                if self.layout.hybrid:
+                    self._failed_recving.add(op.req_id)
+                else:
+                    self._load_errors.update(failed)
                 self._missing.update(op.keys[good:])
-                self.stats.add("load_failed_blocks", len(op.block_ids) - max(lo, hi))
+                self.stats.add("load_failed_blocks", len(failed))
             self.stats.add("load_chunks", good)
-            self.stats.add("load_tokens", max(0, hi - lo) * self.block_size)
+            if op.group == self.layout.token_group:  # a hybrid model's tokens count once
+                self.stats.add("load_tokens", written * self.block_size)
             self.stats.add("load_bytes", good * bpc * mover.block_bytes)
             self.stats.add("load_s", time.perf_counter() - t0)
+
+    def _share(self, staging: torch.Tensor, good: int, bpc: int) -> int:
+        """MLA with embedded stores: TP rank 0's loaded entries, sent to every TP rank.
+
+        Every TP rank runs the same loads in the same order (the scheduler's metadata),
+        so each load is one count and one payload broadcast over the TP group.
+        """
+        from vllm.distributed.parallel_state import get_tp_group
+
+        tp = get_tp_group()
+        count = torch.tensor([good], dtype=torch.int64)
+        torch.distributed.broadcast(count, src=tp.ranks[0], group=tp.cpu_group)
+        good = int(count.item())
+        if good:
+            rows = staging[: good * bpc]
+            torch.distributed.broadcast(rows, src=tp.ranks[0], group=tp.cpu_group)
+        return good
+
+    def take_recving(self) -> tuple[set[str], set[str]]:
+        """A hybrid model's requests whose loads ran since the last call, and those of
+        them whose load failed (vLLM recomputes these from their first token)."""
+        with self._lock:
+            out = (self._recving, self._failed_recving)
+            self._recving, self._failed_recving = set(), set()
+        return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
@@ -213,22 +304,33 @@ class WorkerSide:
         """Queue this step's saves; returns at once."""
         if not meta.saves:
             return
+        if not self.saves:
+            # TP rank 0 stores the MLA latent; this rank only reports the requests done
+            # (vLLM frees a request's blocks once every rank has).
+            with self._lock:
+                for op in meta.saves:
+                    self._outstanding[op.req_id] += 0
+            return
         assert self.mover is not None
         token = self.mover.mark()
         with self._lock:
             for op in meta.saves:
                 self._outstanding[op.req_id] += 1
         for op in meta.saves:
-            self._saver.submit(self._save, op, token)
+            staged = None
+            if self.layout.groups[op.group].sliding:
+                # vLLM may free these blocks at the next step: copy them out now.
+                staged = self.movers[op.group].gather(op.block_ids, token)
+            self._saver.submit(self._save, op, token, staged)
 
-    def _save(self, op: SaveOp, token: object | None) -> None:
-        store, mover = self.store, self.mover
+    def _save(self, op: SaveOp, token: object | None, staged: torch.Tensor | None = None) -> None:
+        store, mover = self.store, self.movers[op.group]
         assert store is not None and mover is not None
         t0 = time.perf_counter()
         ok: list[bytes] = []
         try:
             out = None
-            if isinstance(store, RemoteStore) and mover.device.type != "cuda":
+            if staged is None and isinstance(store, RemoteStore) and mover.device.type != "cuda":
                 # Same-host daemon: gather straight into memory it maps, so the put
                 # sends offsets and the daemon's copy into its tier is the only other
                 # one. (On CUDA the mover's pinned buffer stays: the device copy wants it.)
@@ -237,7 +339,7 @@ class WorkerSide:
                     out = torch.from_numpy(shared).view(
                         len(op.block_ids), mover.num_layers, mover.page_bytes
                     )
-            staging = mover.gather(op.block_ids, token, out=out)
+            staging = staged if staged is not None else mover.gather(op.block_ids, token, out=out)
             keys = rank_keys(self._salt, op.keys)
             # The earlier chunks stay while the put makes room (a daemon honours it
             # over the same-host channel).
@@ -258,8 +360,10 @@ class WorkerSide:
                     self._failed[k] = 1
             self._outstanding[op.req_id] -= 1
             self.stats.add("save_chunks", len(ok))
-            self.stats.add("save_tokens", len(ok) * self.chunk_tokens)
-            self.stats.add("save_bytes", len(ok) * self.blocks_per_chunk * mover.block_bytes)
+            if op.group == self.layout.token_group:  # a hybrid model's tokens count once
+                self.stats.add("save_tokens", len(ok) * self.chunk_tokens)
+            per_key = len(op.block_ids) // max(1, len(op.keys))
+            self.stats.add("save_bytes", len(ok) * per_key * mover.block_bytes)
             self.stats.add("save_failed_chunks", len(op.keys) - len(ok))
             self.stats.add("save_s", dt)
             self._lock.notify_all()

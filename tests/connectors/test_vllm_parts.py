@@ -90,10 +90,53 @@ def test_mirror_is_bounded_lru() -> None:
     assert a in mirror and c in mirror and b not in mirror
 
 
-def test_mla_models_are_refused() -> None:
+def test_mla_spec_is_one_latent_shared_by_every_tp_rank() -> None:
     pytest.importorskip("vllm")
-    from kvtier.connectors.vllm.connector import spec_from_vllm
+    from kvtier.connectors.vllm.connector import spec_from_vllm, storing_ranks
 
-    cfg = SimpleNamespace(model_config=SimpleNamespace(use_mla=True, model="deepseek"))
-    with pytest.raises(SpecError, match="MLA"):
-        spec_from_vllm(cfg)  # type: ignore[arg-type]
+    def cfg(tp: int) -> SimpleNamespace:
+        text = SimpleNamespace(num_hidden_layers=3, kv_lora_rank=512, qk_rope_head_dim=64)
+        mc = SimpleNamespace(use_mla=True, model="deepseek", dtype="bfloat16", hf_text_config=text)
+        return SimpleNamespace(
+            model_config=mc,
+            cache_config=SimpleNamespace(cache_dtype="auto"),
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+        )
+
+    one = spec_from_vllm(cfg(1))  # type: ignore[arg-type]
+    rank1 = spec_from_vllm(cfg(2), tp_rank=1)  # type: ignore[arg-type]
+    assert (one.mla, one.num_kv_heads, one.head_size) == (True, 1, 576)
+    assert one.bytes_per_token == 3 * 576 * 2  # one plane, no K and V
+    assert rank1.fingerprint == one.fingerprint  # every rank, every TP degree: one copy
+    assert storing_ranks(rank1, world_size=4) == 2  # TP 2 x PP 2: TP rank 0 of each stage
+    plain = spec_from_vllm(cfg(2), tp_rank=1)  # type: ignore[arg-type]
+    assert storing_ranks(replace(plain, mla=False), world_size=4) == 4
+
+
+def test_kv_groups_of_hybrid_models_and_state_space_refusal() -> None:
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    from kvtier.connectors.vllm.connector import kv_groups
+    from kvtier.spec import KVGroup, LayerKind
+
+    def config(*specs: object) -> SimpleNamespace:
+        groups = [
+            SimpleNamespace(layer_names=[f"l{i}a", f"l{i}b"], kv_cache_spec=s)
+            for i, s in enumerate(specs)
+        ]
+        return SimpleNamespace(kv_cache_groups=groups)
+
+    attn = {"block_size": 32, "num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
+    full = FullAttentionSpec(**attn)
+    sliding = SlidingWindowSpec(**attn, sliding_window=48)
+    assert kv_groups(config(full), 32) == ((), ())  # one group: a plain model, as before
+    groups, names = kv_groups(config(sliding, full), 32)
+    assert groups == (KVGroup(LayerKind.SLIDING, 2, 47), KVGroup(LayerKind.FULL, 2))
+    assert names == (("l0a", "l0b"), ("l1a", "l1b"))
+    with pytest.raises(SpecError, match="blocks of 16"):
+        kv_groups(config(sliding, full), 16)
+    mamba = MambaSpec(block_size=32, shapes=((4, 4),), dtypes=(torch.bfloat16,))
+    with pytest.raises(SpecError, match="state-space or linear-attention"):
+        kv_groups(config(full, mamba), 32)

@@ -45,3 +45,25 @@ def test_tp2_ranks_store_apart_and_a_restart_hits(tiny_model: str, tmp_path: Pat
     assert second["tokens"] == first["tokens"]
     assert second["ref_cached"] == [0] * len(PROMPT_SEEDS)
     assert second["ref"] == first["tokens"]
+
+
+def test_tp2_mla_latent_is_stored_once(tmp_path: Path) -> None:
+    """An MLA model at TP 2: TP rank 0 stores the latent, rank 1 builds no store, and
+    requests still finish on both (rank 1 reports its saves done without storing).
+
+    On the CPU build the connector never loads MLA KV (its MLA backend computes no
+    prefill over cached context), so this holds the store-once side; the loads, a
+    broadcast from rank 0 with embedded stores, need CUDA.
+    """
+    from tests.connectors.families import write_model
+    from tests.connectors.test_vllm_families import _run as run_family
+
+    model = write_model("deepseek_v2", tmp_path / "model")
+    nvme = tmp_path / "nvme"
+    first = run_family(model, nvme, tmp_path / "first.json", "first", tp=2)
+    second = run_family(model, nvme, tmp_path / "second.json", "second", tp=2)
+    assert [p.name for p in nvme.iterdir()] == ["tp0-pp0"]  # one copy, rank 0's
+    assert any((nvme / "tp0-pp0").iterdir())
+    assert first["cached"] == second["cached"] == [0] * 4
+    assert second["tokens"] == first["tokens"]
+    assert first["tokens"][:2] == first["tokens"][2:]
