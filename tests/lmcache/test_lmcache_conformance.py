@@ -23,6 +23,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "lmcache_conformance.
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # five suites, the end-to-end one starting real servers
 def test_lmcache_own_storage_suites_pass_against_kvtier_plugins(tmp_path: Path) -> None:
     out = tmp_path / "conformance.json"
     run = subprocess.run(
