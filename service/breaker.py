@@ -7,6 +7,9 @@ where a daemon that is down, slow or refusing must never raise or stall a step. 
 :data:`LOG_EVERY_S`, and opens a hold-off (doubling from :data:`FIRST_HOLD_S` up to
 :data:`MAX_HOLD_S`) during which calls answer the miss at once without asking the daemon;
 the first success after it closes the breaker again, so the link reconnects by itself.
+A request the daemon refuses (:class:`~kvtier.errors.InputError`: 400/413/422, a value
+over its size limit) is not an outage: it answers the miss and is logged, but opens no
+hold-off, so the next request (a lookup of chunks stored before) is asked as usual.
 
 Thread-safe: the fields sit under one lock; the logging happens outside it.
 """
@@ -50,6 +53,8 @@ class Breaker:
         self._last_log = -LOG_EVERY_S
         self._failures = 0
         self.failures_total = 0
+        self.refused_total = 0  # requests the daemon refused (no hold-off)
+        self._last_refusal_log = -LOG_EVERY_S
 
     def available(self) -> bool:
         """False while the breaker holds off after a failure."""
@@ -95,16 +100,38 @@ class Breaker:
                 hint,
             )
 
+    def refused(self, what: str, exc: InputError) -> None:
+        """The daemon refused a request (``what``): counted and logged, no hold-off."""
+        now = time.monotonic()
+        with self._lock:
+            self.refused_total += 1
+            speak = now - self._last_refusal_log >= LOG_EVERY_S
+            if speak:
+                self._last_refusal_log = now
+        if speak:
+            log.warning(
+                "kvtier daemon %s refused a %s (its other requests go on): %s; if it "
+                "refuses %s, raise its service.max_value_bytes",
+                self.url,
+                what,
+                exc,
+                self._refused,
+            )
+
     def call(self, what: str, request: Callable[[], T], miss: T) -> T:
         """``request()``'s answer, or ``miss`` while holding off or when it raises.
 
         Only :class:`~kvtier.errors.KVTierError` (what the client raises) is caught: any
-        other exception is a bug and propagates.
+        other exception is a bug and propagates. A refusal (``InputError``) answers
+        ``miss`` without holding off.
         """
         if not self.available():
             return miss
         try:
             answer = request()
+        except InputError as exc:
+            self.refused(what, exc)
+            return miss
         except KVTierError as exc:
             self.failed(what, exc)
             return miss

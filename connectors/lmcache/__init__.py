@@ -1,6 +1,7 @@
 """kvtier under LMCache: three plug points LMCache finds through its own config.
 
-* ``KVTierRemoteConnector`` (``remote_storage_plugins``): a shared kvtier daemon.
+* ``KVTierRemoteConnector`` (``remote_storage_plugins``): a shared kvtier daemon;
+  ``KVTierConnectorAdapter`` builds one per plug-in name (several kvtier plug-ins).
 * ``KVTierStoragePlugin`` (``storage_plugins``): an embedded kvtier store.
 * ``KVTierL2Adapter`` (``lmcache server --l2-adapter``): a kvtier daemon as L2.
 
@@ -16,9 +17,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .l2 import KVTierL2Adapter
     from .plugin import KVTierStoragePlugin
-    from .remote import KVTierRemoteConnector
+    from .remote import KVTierConnectorAdapter, KVTierRemoteConnector
 
-__all__ = ["KVTierL2Adapter", "KVTierRemoteConnector", "KVTierStoragePlugin"]
+__all__ = [
+    "KVTierConnectorAdapter",
+    "KVTierL2Adapter",
+    "KVTierRemoteConnector",
+    "KVTierStoragePlugin",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -26,6 +32,10 @@ def __getattr__(name: str) -> Any:
         from .remote import KVTierRemoteConnector
 
         return KVTierRemoteConnector
+    if name == "KVTierConnectorAdapter":
+        from .remote import KVTierConnectorAdapter
+
+        return KVTierConnectorAdapter
     if name == "KVTierStoragePlugin":
         from .plugin import KVTierStoragePlugin
 

@@ -7,7 +7,8 @@ Start LMCache's server on it::
         "adapter_params": {"url": "http://127.0.0.1:8470", "token": "..."}}'
 
 ``adapter_params``: ``url`` (required), ``token`` (the daemon's tenant token),
-``timeout_s`` (per request, default 5).
+``timeout_s`` (per request, default 5), ``capacity_bytes`` (what LMCache's eviction
+counts against; default: the daemon's tiers together, as it reports them at start).
 
 The interface (LMCache 0.5.6, ``l2_adapters/base.py``) is non-blocking: each
 ``submit_*`` returns a task id at once, a worker thread runs the task against the
@@ -16,10 +17,17 @@ pop the results. Keys are ``ObjectKey`` (model, KV rank, object group, chunk has
 ``cache_salt``), mapped by :func:`.keys.object_key`, so two salts never share a chunk.
 
 What "lock" means here: the daemon's REST API has no pins, so lookup-and-lock only
-reports presence and unlock has nothing to release. A chunk the daemon evicts between
-lookup and load fails that key's load bit, which LMCache already treats as a miss.
-Capacity and eviction are the daemon's (``max_capacity_bytes`` is 0, so LMCache does
-not run its own global eviction over it).
+reports presence, key by key, and unlock has nothing to release. A chunk the daemon
+evicts between lookup and load fails that key's load bit, which LMCache already treats
+as a miss.
+
+LMCache's books: the adapter tells LMCache (``_notify_keys_*``, which keep its byte
+accounting and feed its listeners: the eviction policy, the coordinator's cache events)
+of each key it stored, once (a key stored again is not news), of each key it loaded and
+of each key it deleted. It keeps the size of each key it announced, so a delete gives
+back exactly what the store counted. ``max_capacity_bytes`` is the daemon's capacity
+(or ``capacity_bytes``), so LMCache's global eviction can run over it; the daemon's own
+eviction still applies underneath.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from lmcache.v1.platform import create_event_notifier
 from typing_extensions import override
 
 from kvtier.errors import ConfigError
+from kvtier.units import parse_size
 
 from .keys import object_key
 from .link import DaemonLink
@@ -60,15 +69,20 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache is u
         l1_memory_desc: LMCache's L1 description (unused: values are copied).
 
     Raises:
-        ConfigError: no ``url``, a malformed one, or an unknown parameter.
+        ConfigError: no ``url``, a malformed one, a bad ``capacity_bytes``, or an
+            unknown parameter.
     """
 
     def __init__(self, config: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        super().__init__(max_capacity_bytes=0)
         if config is not None and not isinstance(config, Mapping):
             raise ConfigError("adapter_params", config, "a JSON object with url (and token)")
-        self.settings = params_settings(dict(config or {}))
+        params = dict(config or {})
+        capacity = _capacity(params.pop("capacity_bytes", None))
+        self.settings = params_settings(params)
         self.link = DaemonLink(self.settings, pool=WORKERS)
+        super().__init__(
+            max_capacity_bytes=self.link.capacity_bytes if capacity is None else capacity
+        )
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
@@ -77,6 +91,9 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache is u
         self._stores: dict[L2TaskId, L2StoreResult] = {}
         self._lookups: dict[L2TaskId, Bitmap] = {}
         self._loads: dict[L2TaskId, Bitmap] = {}
+        # Size of each key announced to LMCache as stored (and not yet as deleted).
+        self._sizes: dict[ObjectKey, int] = {}
+        self._closed = False
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kvtier-l2")
         log.info("kvtier L2 adapter: daemon %s", self.settings.url)
 
@@ -125,16 +142,22 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache is u
         return self._submit(self._store, keys, objects)
 
     def _store(self, task_id: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
-        sizes = [int(o.get_size()) for o in objects]
-        res = None
+        ok, moved = False, 0
         try:
             views = [o.byte_array.cast("B") for o in objects]
+            sizes = [v.nbytes for v in views]
             res = self.link.put_many([object_key(k) for k in keys], views)
-        finally:
             ok = res is not None and res.stored + res.present == len(keys)
-            moved = sum(sizes) if ok and res is not None and res.stored else 0
             if ok:
-                self._notify_keys_stored(keys, sizes)
+                # Announced once: a key stored again (present) is not new bytes.
+                with self._lock:
+                    new = [(k, n) for k, n in zip(keys, sizes, strict=True) if k not in self._sizes]
+                    self._sizes.update(new)
+                moved = sum(n for _, n in new)
+                if new:
+                    self._notify_keys_stored([k for k, _ in new], [n for _, n in new])
+        finally:
+            # Inside the finally, whatever raised above: LMCache waits for every task.
             self._finish(self._stores, self._store_efd, task_id, L2StoreResult(ok, moved))
 
     @override
@@ -154,10 +177,11 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache is u
     def _lookup(self, task_id: L2TaskId, keys: list[ObjectKey]) -> None:
         bitmap = Bitmap(len(keys))
         try:
-            # The daemon answers the leading run: LMCache asks for a prefix and uses
-            # only the leading hits, so a key after the first miss counts as missing.
-            for i in range(self.link.hits([object_key(k) for k in keys])):
-                bitmap.set(i)
+            # Key by key, as the contract says: LMCache's prefetch plans use every hit,
+            # not only the leading run (one request per run of hits).
+            for i, hit in enumerate(self.link.present([object_key(k) for k in keys]) or ()):
+                if hit:
+                    bitmap.set(i)
         finally:
             self._finish(self._lookups, self._lookup_efd, task_id, bitmap)
 
@@ -198,8 +222,23 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache is u
 
     @override
     def delete(self, keys: list[ObjectKey]) -> None:
-        for key in keys:
-            self.link.delete(object_key(key))
+        """Remove ``keys`` from the daemon and tell LMCache which left (with the sizes
+        announced at their store). A key the daemon no longer held but LMCache was told
+        of (the daemon evicted it) has left too; a key it could not be asked about stays.
+        A no-op after :meth:`close`. Blocks on one request per key."""
+        if self._closed or not keys:
+            return
+        answers = self.link.delete_many([object_key(k) for k in keys])
+        gone: list[ObjectKey] = []
+        sizes: list[int] = []
+        with self._lock:
+            for key, answer in zip(keys, answers, strict=True):
+                known = self._sizes.pop(key, None) if answer is not None else None
+                if answer or known is not None:
+                    gone.append(key)
+                    sizes.append(known or 0)
+        if gone:
+            self._notify_keys_deleted(gone, sizes)
 
     @override
     def report_status(self) -> dict[str, Any]:
@@ -208,12 +247,31 @@ class KVTierL2Adapter(L2AdapterInterface):  # type: ignore[misc]  # LMCache is u
             "type": type(self).__name__,
             "url": self.settings.url,
             "daemon_failures": self.link.failures_total,
+            "capacity_bytes": self._max_capacity_bytes,
         }
 
     @override
     def close(self) -> None:
+        """Wait for running tasks, then release the link and the event fds. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self._pool.shutdown(wait=True)
         self.link.close()
         self._store_efd.close()
         self._lookup_efd.close()
         self._load_efd.close()
+
+
+def _capacity(raw: object) -> int | None:
+    """``capacity_bytes``: None when not given (the daemon's capacity applies)."""
+    if raw is None:
+        return None
+    try:
+        n = parse_size(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        raise ConfigError("adapter_params.capacity_bytes", raw, "a size such as 64GiB") from exc
+    if n < 0:
+        raise ConfigError("adapter_params.capacity_bytes", raw, "a size >= 0")
+    return n

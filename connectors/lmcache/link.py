@@ -80,15 +80,22 @@ class DaemonLink:
         self._last_drop_log = -LOG_EVERY_S
         # The daemon's largest value (None until it answered once).
         self.max_value_bytes: int | None = None
+        # The daemon's tiers' capacity together, in bytes (0 until it answered once).
+        self.capacity_bytes = 0
         self._adopt_limits()
 
     def _adopt_limits(self) -> None:
         """Split batches under the daemon's own limits (a daemon down now is not fatal)."""
         try:
-            limits = self._client.stats()["limits"]
+            stats = self._client.stats()
+            limits = stats["limits"]
         except (KVTierError, KeyError, TypeError) as exc:
             self._breaker.failed("start-up check", exc)
             return
+        try:
+            self.capacity_bytes = sum(int(t["capacity_bytes"]) for t in stats["store"]["tiers"])
+        except (KeyError, TypeError, ValueError):
+            self.capacity_bytes = 0
         self._client.max_body_bytes = int(limits["max_body_bytes"])
         self._client.batch_keys = int(limits["max_batch_keys"])
         self._client.prefix_keys = int(limits.get("max_prefix_keys", 0))
@@ -120,6 +127,26 @@ class DaemonLink:
         what = f"lookup of {len(keys)} keys"
         n: int = self._breaker.call(what, lambda: self._client.lookup(list(keys)).hits, 0)
         return n
+
+    def present(self, keys: Sequence[ChunkKey]) -> list[bool] | None:
+        """Which of ``keys`` the daemon holds, key by key; None when it cannot be asked.
+
+        The daemon answers a leading run; after each miss the rest is asked again, so a
+        pattern of k runs costs k requests (one for the usual all-hit or hit-prefix).
+        """
+        out: list[bool] = []
+        while len(out) < len(keys):
+            rest = list(keys[len(out) :])
+            what = f"lookup of {len(rest)} keys"
+            got: int | None = self._breaker.call(
+                what, lambda rest=rest: self._client.lookup(rest).hits, None
+            )
+            if got is None:
+                return None
+            out += [True] * got
+            if len(out) < len(keys):
+                out.append(False)
+        return out
 
     def get_into(self, key: ChunkKey, dst: memoryview) -> int:
         """Copy one value into ``dst``; its length in bytes, or 0 for a miss."""
@@ -177,15 +204,27 @@ class DaemonLink:
         """
         if not keys:
             return PutResult(0, 0, 0, 0)
-        what = f"store of {len(keys)} chunks"
-        res: PutResult | None = self._breaker.call(
-            what, lambda: self._client.put_many(list(keys), list(values)), None
-        )
+        limit = self.max_value_bytes
+        too_big = 0
+        if limit is not None and any(v.nbytes > limit for v in values):
+            # The daemon refuses a batch holding a value over its limit as a whole:
+            # leave those out, so the rest is kept (they count as rejected).
+            fits = [(k, v) for k, v in zip(keys, values, strict=True) if v.nbytes <= limit]
+            too_big = len(keys) - len(fits)
+            keys, values = [k for k, _ in fits], [v for _, v in fits]
+        res: PutResult | None = PutResult(0, 0, 0, 0)
+        if keys:
+            what = f"store of {len(keys)} chunks"
+            res = self._breaker.call(
+                what, lambda: self._client.put_many(list(keys), list(values)), None
+            )
+        if res is not None and too_big:
+            res = PutResult(res.stored, res.present, res.rejected + too_big, res.failed)
         if res is not None and (res.rejected or res.failed):
-            self._dropped(res, len(keys))
+            self._dropped(res, len(keys) + too_big, too_big)
         return res
 
-    def _dropped(self, res: PutResult, asked: int) -> None:
+    def _dropped(self, res: PutResult, asked: int, too_big: int = 0) -> None:
         """Say, at most once per LOG_EVERY_S, that the daemon kept fewer chunks than sent.
 
         Not a link failure (the daemon answered): the breaker stays closed, lookups of
@@ -201,17 +240,31 @@ class DaemonLink:
             log.warning(
                 "kvtier daemon %s kept %d of %d chunks: %d rejected (its store is full or "
                 "its placement declined them), %d failed (a tier error: see the daemon's "
-                "log); those chunks will miss",
+                "log); those chunks will miss%s",
                 self.settings.url,
                 res.stored + res.present,
                 asked,
                 res.rejected,
                 res.failed,
+                (
+                    f"; {too_big} over its service.max_value_bytes ({self.max_value_bytes} B) "
+                    "were not sent: raise it"
+                    if too_big
+                    else ""
+                ),
             )
 
     def delete(self, key: ChunkKey) -> bool:
         gone: bool = self._breaker.call("delete", lambda: self._client.delete(key), False)
         return gone
+
+    def delete_many(self, keys: Sequence[ChunkKey]) -> list[bool | None]:
+        """Remove ``keys``: per key True (it was there), False (it was not), or None
+        (the daemon could not be asked)."""
+        out: list[bool | None] = []
+        for key in keys:
+            out.append(self._breaker.call("delete", lambda key=key: self._client.delete(key), None))
+        return out
 
     def ready(self) -> bool:
         """True when the daemon answers /readyz (does not touch the breaker)."""

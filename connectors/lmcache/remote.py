@@ -10,7 +10,11 @@ LMCache config::
       remote_storage_plugin.kvtier.token: ...   # optional: the daemon's tenant token
 
 LMCache's ``DynamicConnectorAdapter`` builds it as ``cls(loop=, local_cpu_backend=,
-config=)`` and its ``RemoteBackend`` calls the coroutines on ``loop``. Each call runs
+config=)`` and its ``RemoteBackend`` calls the coroutines on ``loop``. That loader does
+not say which plug-in name it serves, so for more than one kvtier plug-in in one config
+(``remote_storage_plugins: ["kvtier.a", "kvtier.b"]``) name
+``class_name: KVTierConnectorAdapter`` instead: LMCache then passes the name, and each
+connector reads its own settings. Each call runs
 the blocking HTTP request on this connector's own threads, so the loop never waits on
 a socket and several chunks move at once.
 
@@ -19,8 +23,9 @@ without LMCache's metadata header: the shape follows from the engine's metadata 
 the value's length, as LMCache's own ``fs`` connector does without ``save_chunk_meta``
 (a partial last chunk is shortened by ``reshape_partial_chunk``). Loads are one copy:
 from a daemon on this host, into memory objects of a pool shared with it (:mod:`.pool`,
-``shared_bytes``, default 1 GiB; LMCache's own memory once the pool is held); over
-HTTP, from the socket into the objects LMCache allocates.
+``shared_bytes``, default 1 GiB, at most LMCache's ``max_local_cpu_size``; made at the
+first load, not when the connector is built; LMCache's own memory once the pool is
+held); over HTTP, from the socket into the objects LMCache allocates.
 
 Contracts kept (read from LMCache 0.5.6): ``put`` never calls ``ref_count_down()`` (the
 instrumented wrapper does); ``get`` takes its objects from the load pool or through
@@ -36,6 +41,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -43,9 +49,14 @@ from typing import Any, TypeVar
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorContext
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 from typing_extensions import override
+
+from kvtier.errors import ConfigError
+from kvtier.units import GiB
 
 from .keys import engine_key
 from .link import DaemonLink
@@ -63,6 +74,9 @@ IO_THREADS = 8
 # After the load pool could not be made (channel down), loads copy for this long
 # before the connector asks for shared memory again.
 POOL_RETRY_S = 5.0
+# Keys list() can name: the most recent stores of this connector (the daemon keeps keyed
+# hashes of keys, which cannot be listed back).
+LIST_KEYS = 65536
 
 
 class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache is untyped
@@ -85,24 +99,40 @@ class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache i
         local_cpu_backend: LocalCPUBackend,
         config: LMCacheEngineConfig | None,
         plugin_name: str | None = None,
+        metadata: LMCacheMetadata | None = None,
     ) -> None:
-        super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
-        cfg = config if config is not None else local_cpu_backend.config
+        cfg = config if config is not None else getattr(local_cpu_backend, "config", None)
+        meta = metadata if metadata is not None else getattr(local_cpu_backend, "metadata", None)
+        if cfg is None:
+            raise ConfigError("remote_storage_plugins", plugin_name, "an LMCache config")
+        if meta is not None:
+            super().__init__(cfg, meta)
+        else:
+            # LMCache's scheduler role: no local CPU backend and no chunk geometry.
+            # Lookups work; a load has nothing to land in and is a miss.
+            self.save_chunk_meta = False
+            self.meta_shapes: list[Any] = []
+            self.meta_dtypes: list[Any] = []
+            self.meta_fmt = None
+            self.full_chunk_size_bytes = self.single_token_size = 0
         extra = cfg.extra_config or {}
         name = plugin_name or _name(cfg, extra)
         self.settings = daemon_settings(extra, f"{REMOTE_PREFIX}.{name}")
         self.shared_bytes = shared_bytes(extra, f"{REMOTE_PREFIX}.{name}")
+        local_gb = float(getattr(cfg, "max_local_cpu_size", 0) or 0)
+        if local_gb > 0:
+            # The pool's objects end up in LMCache's local CPU cache: no larger than it.
+            self.shared_bytes = min(self.shared_bytes, int(local_gb * GiB))
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         self.link = DaemonLink(self.settings, pool=IO_THREADS)
         self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvtier-lmcache")
-        # Loads land here when the daemon shares this host (see .pool).
+        # Loads land here when the daemon shares this host (see .pool). Made at the
+        # first load (_shared_pool): an engine that never loads maps no shared memory.
         self.load_pool: LoadPool | None = None
         self._load_pool_lock = threading.Lock()
         self._load_pool_retry_at = 0.0
-        # Made now (its memory is faulted in once), so neither the first load nor a
-        # store pays for it; a daemon that is not up yet gets one at a later load.
-        self._shared_pool()
+        self._stored_keys: OrderedDict[str, CacheEngineKey] = OrderedDict()
         log.info(
             "kvtier remote plug-in %r: daemon %s, chunk %d B",
             name,
@@ -197,7 +227,10 @@ class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache i
         the daemon's reads and the client's receive in sequence. Either way the values
         land straight in LMCache's memory.
         """
-        if self.load_pool is not None:
+        if not keys or self.full_chunk_size_bytes == 0:
+            return []  # the scheduler role: nothing to load into
+        if self.load_pool is not None or (self.shared_bytes and self._load_pool_retry_at == 0):
+            # The pool (made at the first load, on an I/O thread) while it serves.
             return await self._run(self._load_in_place, keys)
         objs = await self._run(self._allocate, len(keys))
         span_list = split(spans(objs, self.full_chunk_size_bytes), self.full_chunk_size_bytes, 4)
@@ -262,7 +295,14 @@ class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache i
 
     def _put_sync(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
         views = [o.byte_array.cast("B") for o in objs]
-        self.link.put_many([engine_key(k) for k in keys], views)
+        res = self.link.put_many([engine_key(k) for k in keys], views)
+        if res is not None and res.stored + res.present:
+            with self._load_pool_lock:
+                for k in keys:
+                    self._stored_keys[k.to_string()] = k
+                    self._stored_keys.move_to_end(k.to_string())
+                while len(self._stored_keys) > LIST_KEYS:
+                    self._stored_keys.popitem(last=False)
 
     @override
     async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
@@ -281,12 +321,22 @@ class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache i
 
     @override
     def remove_sync(self, key: CacheEngineKey) -> bool:
+        with self._load_pool_lock:
+            self._stored_keys.pop(key.to_string(), None)
         return self.link.delete(engine_key(key))
+
+    def _list_sync(self) -> list[str]:
+        with self._load_pool_lock:
+            mine = list(self._stored_keys.items())
+        held = self.link.present([engine_key(k) for _, k in mine]) or []
+        return [name for (name, _), hit in zip(mine, held, strict=False) if hit]
 
     @override
     async def list(self) -> list[str]:
-        """Always empty: the daemon keeps keyed hashes of keys, which cannot be listed back."""
-        return []
+        """Keys (LMCache's ``to_string()``) this connector stored that the daemon still
+        holds, up to the last :data:`LIST_KEYS` stores: the daemon keeps keyed hashes of
+        keys, which cannot be listed back, so keys stored by other engines are not named."""
+        return await self._run(self._list_sync)
 
     @override
     def support_ping(self) -> bool:
@@ -308,6 +358,41 @@ class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache i
     @override
     def __repr__(self) -> str:
         return f"<KVTierRemoteConnector {self.settings.url}>"
+
+
+class KVTierConnectorAdapter(ConnectorAdapter):  # type: ignore[misc]  # LMCache is untyped
+    """LMCache's connector adapter for kvtier: builds a :class:`KVTierRemoteConnector`
+    for the plug-in name LMCache asks for.
+
+    ``remote_storage_plugins`` names of type ``kvtier`` (``kvtier``, or
+    ``kvtier.<instance>`` as LMCache spells instances) with ``class_name:
+    KVTierConnectorAdapter`` each get a connector with their own settings
+    (``remote_storage_plugin.<name>.url`` ...), which the bare connector class cannot
+    tell apart.
+    """
+
+    TYPE = "kvtier"
+
+    def __init__(self) -> None:
+        super().__init__(f"plugin://{self.TYPE}")
+
+    @override
+    def can_parse(self, url: str) -> bool:
+        if not url.startswith("plugin://"):
+            return False
+        name = url[len("plugin://") :]
+        return name.split(".", 1)[0] == self.TYPE
+
+    @override
+    def create_connector(self, context: ConnectorContext) -> RemoteConnector:
+        name = context.plugin_name or context.url[len("plugin://") :]
+        return KVTierRemoteConnector(
+            context.loop,
+            context.local_cpu_backend,
+            context.config,
+            plugin_name=name,
+            metadata=context.metadata,
+        )
 
 
 def _name(cfg: LMCacheEngineConfig, extra: dict[str, Any]) -> str:

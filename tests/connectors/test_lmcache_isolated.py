@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+CONFORMANCE = "tests/lmcache/test_lmcache_conformance.py"
 
 if importlib.util.find_spec("lmcache") is None:
     pytest.skip("LMCache is not installed (pip install 'kvtier[lmcache]')", allow_module_level=True)
@@ -37,6 +38,7 @@ def test_lmcache_plug_points(tmp_path: Path) -> None:
         "-rA",
         f"--basetemp={tmp_path / 'bt'}",
         "tests/lmcache",
+        f"--ignore={CONFORMANCE}",  # runs long: a child of its own, below
     ]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     # LMCache logs every store and retrieve at INFO: drop those lines, or they push the
@@ -51,3 +53,19 @@ def test_lmcache_plug_points(tmp_path: Path) -> None:
     # Only the full-disk tests may skip (they mount a tmpfs, which needs root).
     skips = [ln for ln in run.stdout.splitlines() if ln.startswith("SKIPPED")]
     assert all("tmpfs" in ln for ln in skips), out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3700)
+def test_lmcache_own_storage_suites(tmp_path: Path) -> None:
+    """LMCache's own suites against kvtier's plug-ins (scripts/lmcache_conformance.py)."""
+    env = {**os.environ, "KVTIER_LMCACHE_TESTS": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA"]
+    cmd += [f"--basetemp={tmp_path / 'bt'}", CONFORMANCE]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3650)
+    out = (run.stdout + run.stderr)[-20000:]
+    skipped = [ln for ln in run.stdout.splitlines() if ln.startswith("SKIPPED")]
+    if skipped and run.returncode == 0 and " passed" not in run.stdout:
+        pytest.skip(skipped[0])  # no network and no cached source distribution
+    assert run.returncode == 0, out
+    assert " passed" in run.stdout, out

@@ -9,6 +9,7 @@ restart-stable the documented way (``pre_caching_hash_algorithm: sha256_cbor`` a
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import os
@@ -275,13 +276,15 @@ def _connector(e: Engine) -> KVTierRemoteConnector:
     return c
 
 
-def _pool_of(c: KVTierRemoteConnector, timeout_s: float = 10.0) -> LoadPool:
-    """The connector's load pool, made off LMCache's threads at start."""
-    deadline = time.monotonic() + timeout_s
-    while c.load_pool is None:
-        assert time.monotonic() < deadline, "the remote plug-in made no load pool"
-        time.sleep(0.02)
+def _pool_of(c: KVTierRemoteConnector) -> LoadPool:
+    """The connector's load pool (made at its first load)."""
+    assert c.load_pool is not None, "the remote plug-in made no load pool"
     return c.load_pool
+
+
+def _shared_maps() -> int:
+    """Mappings of kvtier's same-host shared memory in this process."""
+    return Path("/proc/self/maps").read_text().count("kvtier-shm")
 
 
 def _two_slot_pool(tmp_path: Path, daemons: list[Daemon]) -> tuple[Daemon, dict[str, Any]]:
@@ -304,13 +307,13 @@ def test_remote_loads_land_in_the_shared_pool_then_in_lmcache_memory(
     tokens, kv = prompt(6, N_TOKENS)
     with engine(cfg) as e:
         c = _connector(e)
-        pool = _pool_of(c)
-        assert pool.slots == 2
         e.store(tokens, kv)
         assert e.wait_stored(tokens, REMOTE) == FULL
         e.drop_local()
         n, out = e.retrieve(tokens)
         assert n == FULL and _equal(out, kv, n)
+        pool = _pool_of(c)
+        assert pool.slots == 2
         assert pool.taken_total == 2
         assert pool.in_use == 2  # LMCache keeps the loaded chunks in its CPU cache
         e.drop_local()
@@ -362,7 +365,6 @@ def test_remote_load_asks_span_by_span_and_stops_at_a_short_one(
     tokens, kv = prompt(8, N_TOKENS)
     with engine(cfg) as e:
         c = _connector(e)
-        pool = _pool_of(c)
         e.store(tokens, kv)
         assert e.wait_stored(tokens, REMOTE) == FULL
         e.drop_local()
@@ -373,6 +375,7 @@ def test_remote_load_asks_span_by_span_and_stops_at_a_short_one(
         # more (its objects need not lie back to back); one get per span.
         before = _same_host_gets(d.url)
         got = c._load_in_place(keys)
+        pool = _pool_of(c)
         assert len(got) == 4
         n_spans = len(spans(got, CHUNK * TOKEN_BYTES))
         assert n_spans >= 2 and _same_host_gets(d.url) - before == n_spans
@@ -409,6 +412,73 @@ def test_remote_without_a_pool_copies_and_serves(tmp_path: Path, daemons: list[D
         n, out = e.retrieve(tokens)
         assert n == FULL and _equal(out, kv, n)
         assert _connector(e).load_pool is None
+
+
+def test_remote_maps_no_shared_memory_until_its_first_load(
+    tmp_path: Path, daemons: list[Daemon]
+) -> None:
+    """An engine whose connector never loads maps none of the load pool; the first load
+    makes it, no larger than LMCache's local CPU cache (the engine's 0.05 GB here, where
+    the default pool is 1 GiB); bytes equal."""
+    d = start_daemon(tmp_path)
+    daemons.append(d)
+    tokens, kv = prompt(9, N_TOKENS)
+    gc.collect()
+    before = _shared_maps()
+    with engine(remote_config(d.url)) as e:
+        c = _connector(e)
+        assert _shared_maps() == before, "the connector mapped shared memory when built"
+        e.store(tokens, kv)
+        assert e.wait_stored(tokens, REMOTE) == FULL
+        e.drop_local()
+        n, out = e.retrieve(tokens)
+        assert n == FULL and _equal(out, kv, n)
+        assert _pool_of(c).array.nbytes <= int(0.05 * 2**30)
+
+
+def test_remote_list_names_the_chunks_it_stored_while_the_daemon_holds_them(
+    tmp_path: Path, daemons: list[Daemon]
+) -> None:
+    d = start_daemon(tmp_path)
+    daemons.append(d)
+    tokens, kv = prompt(10, N_TOKENS)
+    with engine(remote_config(d.url)) as e:
+        c = _connector(e)
+        e.store(tokens, kv)
+        assert e.wait_stored(tokens, REMOTE) == FULL
+        keys = [key for _, _, key in e.engine.token_database.process_tokens(tokens)][:4]
+        listed = asyncio.run(c.list())
+        assert {k.to_string() for k in keys} <= set(listed)
+        with Client(d.url) as client:  # gone behind the connector's back
+            assert client.delete(engine_key(keys[0]))
+        assert c.remove_sync(keys[1])
+        listed = asyncio.run(c.list())
+        assert keys[0].to_string() not in listed and keys[1].to_string() not in listed
+        assert {k.to_string() for k in keys[2:]} <= set(listed)
+
+
+def test_two_kvtier_remote_plugins_in_one_config_each_use_their_own_daemon(
+    tmp_path: Path, daemons: list[Daemon]
+) -> None:
+    """``kvtier.a`` and ``kvtier.b`` through ``KVTierConnectorAdapter``: LMCache builds one
+    connector per name, each with its own settings, and both daemons get the chunks."""
+    a, b = start_daemon(tmp_path), start_daemon(tmp_path)
+    daemons += [a, b]
+    extra: dict[str, Any] = {}
+    for name, d in (("kvtier.a", a), ("kvtier.b", b)):
+        extra[f"remote_storage_plugin.{name}.module_path"] = "kvtier.connectors.lmcache"
+        extra[f"remote_storage_plugin.{name}.class_name"] = "KVTierConnectorAdapter"
+        extra[f"remote_storage_plugin.{name}.url"] = d.url
+    cfg = {"remote_storage_plugins": ["kvtier.a", "kvtier.b"], "extra_config": extra}
+    tokens, kv = prompt(11, N_TOKENS)
+    with engine(cfg) as e:
+        e.store(tokens, kv)
+        for name in ("RemoteBackend-kvtier.a", "RemoteBackend-kvtier.b"):
+            assert e.wait_stored(tokens, name) == FULL
+        keys = [key for _, _, key in e.engine.token_database.process_tokens(tokens)][:4]
+    for d in (a, b):
+        with Client(d.url) as client:
+            assert client.lookup([engine_key(k) for k in keys]).hits == 4
 
 
 def test_remote_pool_memory_is_released_when_lmcache_closes(
