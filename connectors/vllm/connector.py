@@ -52,8 +52,10 @@ from .settings import (
     config_from_extra,
     daemon_from_extra,
     mirror_capacity,
+    model_version_from_extra,
     prefill_wait_from_extra,
 )
+from .weights import log_identity, weights_identity
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -243,9 +245,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            scheme = KeyScheme(
-                str(vllm_config.model_config.model), spec, self.cfg.store.chunk_tokens
-            )
+            # Once per engine start, before any lookup: only the scheduler side hashes
+            # logical keys, and the workers' rank keys derive from them.
+            model = str(vllm_config.model_config.model)
+            ident = weights_identity(vllm_config, model_version_from_extra(extra))
+            log_identity(model, ident)
+            scheme = KeyScheme(model, spec, self.cfg.store.chunk_tokens, ident.fingerprint)
             per_rank = replace(spec, tp_rank=0)
             stores = storing_ranks(spec, vllm_config.parallel_config.world_size)
             refusal = load_refusal(vllm_config)

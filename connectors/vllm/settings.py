@@ -9,8 +9,8 @@ configuration from the same JSON, so they agree on chunk size and capacity.
 
 Daemon mode (remote.py): ``url``, ``token`` and ``daemon_timeout_s`` name a running
 ``kvtier serve`` instead of an embedded store; ``prefill_wait_s`` bounds a consumer's
-wait for a named prefill (handoff.py). They are the connector's own keys, not kvtier
-settings.
+wait for a named prefill (handoff.py); ``model_version`` names the weights (weights.py).
+They are the connector's own keys, not kvtier settings.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ TOKEN_KEY = "token"
 TIMEOUT_KEY = "daemon_timeout_s"
 DAEMON_KEYS = frozenset({URL_KEY, TOKEN_KEY, TIMEOUT_KEY})
 PREFILL_WAIT_KEY = "prefill_wait_s"
+MODEL_VERSION_KEY = "model_version"
 # The connector's own keys of kv_connector_extra_config: not kvtier settings.
-CONNECTOR_KEYS = DAEMON_KEYS | {CONFIG_FILE_KEY, PREFILL_WAIT_KEY}
+CONNECTOR_KEYS = DAEMON_KEYS | {CONFIG_FILE_KEY, PREFILL_WAIT_KEY, MODEL_VERSION_KEY}
 # How long a consumer waits, at most, for a prefill named in kv_transfer_params (handoff.py).
 DEFAULT_PREFILL_WAIT_S = 5.0
 
@@ -149,3 +150,17 @@ def prefill_wait_from_extra(extra: Mapping[str, Any]) -> float:
     if not wait_s >= 0 or wait_s == float("inf"):
         raise ConfigError(PREFILL_WAIT_KEY, raw, "seconds >= 0")
     return wait_s
+
+
+def model_version_from_extra(extra: Mapping[str, Any]) -> str | None:
+    """The operator's name for the weights (``model_version``), or None when not set.
+
+    Raises:
+        ConfigError: set, but not a non-empty string or number.
+    """
+    raw = extra.get(MODEL_VERSION_KEY)
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, str | int | float) or not str(raw).strip():
+        raise ConfigError(MODEL_VERSION_KEY, raw, "a non-empty string naming the weights")
+    return str(raw).strip()
