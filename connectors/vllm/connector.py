@@ -49,6 +49,7 @@ from .remote import DaemonLookup, RemoteStore
 from .scheduler import SchedulerSide
 from .settings import (
     ChunkShape,
+    async_loads_from_extra,
     config_from_extra,
     daemon_from_extra,
     mirror_capacity,
@@ -271,6 +272,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 role=self.kv_role,
                 prefill_wait_s=prefill_wait_s,
                 can_load=refusal is None,
+                async_loads=async_loads_from_extra(extra),
             )
             log.info(
                 "kvtier connector: %s (%s)",
@@ -329,7 +331,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     @override
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv, before the forward
+        # Synchronous loads complete in start_load_kv, before the forward; asynchronous
+        # ones write only blocks of requests that are not in this step.
+        return
 
     @override
     def save_kv_layer(
