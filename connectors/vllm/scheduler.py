@@ -352,6 +352,7 @@ class SchedulerSide:
             # scheduled with its blocks for the rest of the prompt.
             st.block_ids = block_ids
             st.loading = False
+            self._lookup.pop(rid, None)  # a lookup after a load that failed in full
             return
         else:  # resumed after preemption: the block table is new
             st.block_ids = block_ids
