@@ -122,7 +122,10 @@ def _sample_offsets(lo: int, hi: int, samples: int) -> list[tuple[int, int]]:
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
-    """The weight files of a model's folder (top level, sorted by name)."""
+    """The weight files of a model's folder (top level, sorted by name), or the model
+    itself when it is one file (a GGUF)."""
+    if folder.is_file():
+        return [folder]
     return sorted(
         p for p in folder.iterdir() if p.is_file() and p.name.lower().endswith(WEIGHT_SUFFIXES)
     )
@@ -132,7 +135,7 @@ def checkpoint_fingerprint(folder: str | Path, salt: str = "") -> WeightsIdentit
     """Fingerprint the weight files of a model's folder (see the module docstring).
 
     Args:
-        folder: the model's folder, as vLLM loads it.
+        folder: the model's folder, as vLLM loads it (or its one file).
         salt: more text that belongs to the identity (the model's effective config).
 
     Returns:
@@ -191,7 +194,7 @@ def _model_folder(vllm_config: VllmConfig) -> tuple[Path | None, str]:
     """The local folder vLLM loads the weights from, or None and why not."""
     mc = vllm_config.model_config
     model = str(mc.model)
-    if Path(model).is_dir():
+    if Path(model).exists():  # a folder, or a single-file checkpoint
         return Path(model), ""
     try:
         # A hub id: the engine downloaded it before the connector was built; find the

@@ -78,6 +78,14 @@ def test_a_changed_header_or_a_new_file_change_it(ckpt: Path) -> None:
     assert checkpoint_fingerprint(ckpt).fingerprint not in (before, renamed)
 
 
+def test_a_single_file_checkpoint_is_its_file(ckpt: Path) -> None:
+    shard = ckpt / "model-00002.safetensors"
+    one = checkpoint_fingerprint(shard)
+    assert one.source == "files" and one.files == 1
+    write_shard(shard, data(1000, 3))
+    assert checkpoint_fingerprint(shard).fingerprint != one.fingerprint
+
+
 def test_a_folder_without_weights_is_unknown(tmp_path: Path) -> None:
     ident = checkpoint_fingerprint(tmp_path)
     assert (ident.source, ident.fingerprint) == ("unknown", "")
