@@ -29,10 +29,10 @@ sampled ranges (a fine-tune or a re-export rewrites every tensor, so every sampl
 differs). It can miss a change confined to a few tensors that no sample lands in (say
 one layer's weights patched in place in a multi-GB file), and it never sees weights
 changed in memory: name those with ``model_version``. Reading every byte instead would
-be exact but costs a full read of the checkpoint (700 GB: about six minutes at 2 GB/s)
-on every engine start. The cost here is one header read plus :data:`SAMPLES_PER_FILE`
-reads of :data:`SAMPLE_BYTES` per file, whatever the file's size
-(docs/connector.md, "Weights identity", has the measured figures).
+be exact but costs a full read of the checkpoint on every engine start. The cost here
+is one header read plus :data:`SAMPLES_PER_FILE` reads of :data:`SAMPLE_BYTES` per file,
+whatever the file's size (docs/connector.md, "Weights identity", has the measured
+figures).
 
 When none applies (a hub model id whose files are not in the local cache, a loader that
 reads from object storage), the keys name the model only, as before, and a warning says
