@@ -186,8 +186,15 @@ def checkpoint_fingerprint(folder: str | Path, salt: str = "") -> WeightsIdentit
     )
 
 
+def _plain(obj: object) -> str:
+    text = str(obj)
+    # An object without a value-like str ("<Foo object at 0x7f...>") would make the
+    # identity differ on every start, and no restart would ever hit: its type stands in.
+    return type(obj).__qualname__ if " at 0x" in text else text
+
+
 def _canon(obj: Mapping[str, Any]) -> str:
-    return json.dumps(obj, sort_keys=True, default=str)
+    return json.dumps(obj, sort_keys=True, default=_plain)
 
 
 def _model_folder(vllm_config: VllmConfig) -> tuple[Path | None, str]:

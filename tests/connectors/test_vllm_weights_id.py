@@ -94,7 +94,10 @@ def test_a_folder_without_weights_is_unknown(tmp_path: Path) -> None:
 
 
 def fake_vllm_config(model: str, load_format: str, device: str = "cpu") -> SimpleNamespace:
-    hf = SimpleNamespace(to_dict=lambda: {"hidden_size": 256, "num_hidden_layers": 2})
+    # An object in the config (its str names its address) must not make the identity vary.
+    hf = SimpleNamespace(
+        to_dict=lambda: {"hidden_size": 256, "num_hidden_layers": 2, "hook": object()}
+    )
     return SimpleNamespace(
         model_config=SimpleNamespace(
             model=model, hf_config=hf, dtype="torch.bfloat16", quantization=None, revision=None
