@@ -2,8 +2,9 @@
 
 A chunk is a fixed run of ``chunk_tokens`` tokens, the unit of prefix matching. Its key
 hashes (parent key, token ids as little-endian int32, extra bytes), so equal keys mean
-equal prefixes. The seed is the namespace (model id, KV-spec fingerprint, chunk size,
-tenant), so two models or two tenants never share a key. Nothing here depends on
+equal prefixes. The seed is the namespace (model id, the weights' identity, KV-spec
+fingerprint, chunk size, tenant), so two models, two checkpoints under one name or two
+tenants never share a key. Nothing here depends on
 ``PYTHONHASHSEED``: keys are identical across processes, restarts and hosts.
 """
 
@@ -61,15 +62,29 @@ class Namespace:
         spec_fingerprint: :attr:`KVSpec.fingerprint` of geometry and TP rank.
         chunk_tokens: tokens per chunk; a different chunking is a different key space.
         tenant: tenant or isolation salt; empty for a single-tenant deployment.
+        weights: identity of the weights the KV was computed with (the vLLM connector's
+            ``connectors/vllm/weights.py``: a fingerprint of the checkpoint's files, or
+            an operator's ``model_version``); empty where the caller names the weights
+            by ``model`` alone. KV of other weights is other KV, even under one name.
     """
 
     model: str
     spec_fingerprint: str
     chunk_tokens: int
     tenant: str = ""
+    weights: str = ""
 
     def seed(self) -> ChunkKey:
-        fields = (self.model, self.spec_fingerprint, str(self.chunk_tokens), self.tenant)
+        fields: tuple[str, ...] = (
+            self.model,
+            self.spec_fingerprint,
+            str(self.chunk_tokens),
+            self.tenant,
+        )
+        if self.weights:
+            # Appended only when set: namespaces without it keep their keys (and what
+            # persistent tiers hold under them).
+            fields = (*fields, "weights=" + self.weights)
         canon = "\0".join(("kvtier/ns/v1", *fields))
         return ChunkKey(xxhash.xxh3_128_digest(canon.encode()))
 

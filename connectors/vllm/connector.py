@@ -49,11 +49,14 @@ from .remote import DaemonLookup, RemoteStore
 from .scheduler import SchedulerSide
 from .settings import (
     ChunkShape,
+    async_loads_from_extra,
     config_from_extra,
     daemon_from_extra,
     mirror_capacity,
+    model_version_from_extra,
     prefill_wait_from_extra,
 )
+from .weights import log_identity, weights_identity
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -243,9 +246,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            scheme = KeyScheme(
-                str(vllm_config.model_config.model), spec, self.cfg.store.chunk_tokens
-            )
+            # Once per engine start, before any lookup: only the scheduler side hashes
+            # logical keys, and the workers' rank keys derive from them.
+            model = str(vllm_config.model_config.model)
+            ident = weights_identity(vllm_config, model_version_from_extra(extra))
+            log_identity(model, ident)
+            scheme = KeyScheme(model, spec, self.cfg.store.chunk_tokens, ident.fingerprint)
             per_rank = replace(spec, tp_rank=0)
             stores = storing_ranks(spec, vllm_config.parallel_config.world_size)
             refusal = load_refusal(vllm_config)
@@ -266,6 +272,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 role=self.kv_role,
                 prefill_wait_s=prefill_wait_s,
                 can_load=refusal is None,
+                async_loads=async_loads_from_extra(extra),
             )
             log.info(
                 "kvtier connector: %s (%s)",
@@ -324,7 +331,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     @override
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv, before the forward
+        # Synchronous loads complete in start_load_kv, before the forward; asynchronous
+        # ones write only blocks of requests that are not in this step.
+        return
 
     @override
     def save_kv_layer(

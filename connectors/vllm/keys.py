@@ -3,9 +3,9 @@
 Keys, in two levels:
 
 * The **logical key** of a chunk is :class:`kvtier.keys.ChunkHasher` over the request's
-  token ids, seeded by (model, rank-0 KV spec, chunk size) with the LoRA name and the
-  cache salt in the extra bytes. The scheduler side computes it; it is the same on every
-  rank, in every process, after every restart.
+  token ids, seeded by (model, weights identity, rank-0 KV spec, chunk size) with the
+  LoRA name and the cache salt in the extra bytes. The scheduler side computes it; it is
+  the same on every rank, in every process, after every restart of the same weights.
 * The **rank key** is what a worker stores under: a hash of the logical key with that
   worker's KV-spec fingerprint (which holds the TP rank and size), its pipeline stage and
   the byte layout of its pages. Each rank holds only its own heads and layers, so ranks
@@ -41,15 +41,19 @@ class KeyScheme:
         model: model id the KV was computed with (vLLM's ``model_config.model``).
         spec: the KV spec of rank 0 (``tp_rank=0``): the logical namespace.
         chunk_tokens: tokens per chunk, a multiple of vLLM's block size.
+        weights: the weights' identity (weights.py); empty: the model's name alone.
     """
 
     model: str
     spec: KVSpec
     chunk_tokens: int
+    weights: str = ""
 
     def hasher(self) -> ChunkHasher:
         logical = replace(self.spec, tp_rank=0)
-        return ChunkHasher(Namespace(self.model, logical.fingerprint, self.chunk_tokens))
+        return ChunkHasher(
+            Namespace(self.model, logical.fingerprint, self.chunk_tokens, weights=self.weights)
+        )
 
     def logical_keys(
         self, token_ids: Sequence[int], extra: bytes = b"", parent: ChunkKey | None = None

@@ -37,6 +37,9 @@ class LoadOp:
             bytes are read but not written (a chunk is the unit of lookup, a block is the
             unit of vLLM's cache).
         group: vLLM's KV-cache group of the blocks (0 for a model of one group).
+        asynchronous: the load runs off the engine step (a slow tier): the request waits
+            in vLLM's WAITING_FOR_REMOTE_KVS until the worker reports it in
+            ``finished_recving``; otherwise it completes before this step's forward.
     """
 
     req_id: str
@@ -44,6 +47,7 @@ class LoadOp:
     block_ids: tuple[int, ...]
     skip_blocks: int
     group: int = 0
+    asynchronous: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +137,8 @@ STAT_KEYS = (
     "load_bytes",
     "load_s",
     "load_failed_blocks",  # blocks reported through get_block_ids_with_load_errors
+    "load_async",  # loads run off the engine step (their request waited, the batch went on)
+    "load_sync_slow_chunks",  # chunks a synchronous load read from below the memory tiers
     "save_chunks",
     "save_tokens",
     "save_bytes",

@@ -50,6 +50,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.tiers.base import PersistentTier, SharedTier
+
 from .keys import rank_keys
 
 if TYPE_CHECKING:
@@ -66,6 +68,12 @@ KNOWN_MISSES = 65536
 
 _MASK64 = (1 << 64) - 1
 _BATCH = 1 << 18  # keys hashed per numpy pass (bounds the temporary arrays to ~16 MB)
+
+
+def memory_tier_names(store: TieredStore) -> frozenset[str]:
+    """The store's tiers of this process's memory: neither persistent (nvme) nor shared
+    (Redis). A load from them takes far less than an engine step."""
+    return frozenset(t.name for t in store.tiers if not isinstance(t, PersistentTier | SharedTier))
 
 
 class KeyFilter:
@@ -163,13 +171,20 @@ class IndexUpdate:
         hashes: positions per key of that filter.
         added: rank keys the index gained since the previous update, in order.
         removed: rank keys the index lost (left every tier) since the previous update.
+        recovered: keys in the snapshot, for logs.
+        memory_slots: with the snapshot: chunks the store's memory tiers hold (tiers
+            neither persistent nor shared), sizing the scheduler's guess of what loads
+            fast (scheduler.py, ``async_loads``).
+        slow_tiers: with the snapshot: the store has a persistent or shared tier.
     """
 
     snapshot: bytes | None
     hashes: int
     added: tuple[bytes, ...] = ()
     removed: tuple[bytes, ...] = ()
-    recovered: int = 0  # keys in the snapshot, for logs
+    recovered: int = 0
+    memory_slots: int = 0
+    slow_tiers: bool = False
 
     def is_empty(self) -> bool:
         return self.snapshot is None and not self.added and not self.removed
@@ -196,6 +211,9 @@ class IndexFeed:
         self._snapshot: bytes | None = filt.to_bytes()
         self._hashes = filt.hashes
         self._recovered = len(keys)
+        memory = memory_tier_names(store)
+        self._memory_slots = sum(t.capacity_slots for t in store.tiers if t.name in memory)
+        self._slow_tiers = len(memory) < len(store.tiers)
         store.add_listener(self._on_event)
 
     def _on_event(self, event: StoreEvent) -> None:
@@ -214,6 +232,8 @@ class IndexFeed:
                 tuple(self._added),
                 tuple(self._removed),
                 self._recovered,
+                self._memory_slots,
+                self._slow_tiers,
             )
             self._snapshot = None
             self._added, self._removed = [], []
@@ -224,6 +244,8 @@ class IndexFeed:
 class _Rank:
     salt: bytes
     filter: KeyFilter
+    memory_slots: int = 0
+    slow_tiers: bool = False
 
 
 @dataclass
@@ -258,7 +280,10 @@ class StoreMirror:
             rank = self._ranks.get(salt)
             if up.snapshot is not None:
                 rank = self._ranks[salt] = _Rank(
-                    salt, KeyFilter(len(up.snapshot), up.hashes, up.snapshot)
+                    salt,
+                    KeyFilter(len(up.snapshot), up.hashes, up.snapshot),
+                    up.memory_slots,
+                    up.slow_tiers,
                 )
                 rank.filter.keys = up.recovered
             if rank is None:  # an update before its snapshot: cannot happen in order
@@ -267,6 +292,14 @@ class StoreMirror:
             # counter ever dipping below zero.
             rank.filter.add(up.added)
             rank.filter.remove(up.removed)
+
+    def memory_chunks(self) -> int:
+        """Chunks the smallest rank's memory tiers hold (0 before the snapshots)."""
+        return min((r.memory_slots for r in self._ranks.values()), default=0)
+
+    def slow_tiers(self) -> bool:
+        """Whether a rank's store has a tier below memory (persistent or shared)."""
+        return any(r.slow_tiers for r in self._ranks.values())
 
     def confirm(self, key: bytes) -> None:
         """Every rank stored ``key`` (a save settled): it is no longer a known miss."""

@@ -36,6 +36,7 @@ from .metadata import (
     SaveOp,
 )
 from .mirror import StoreMirror
+from .settings import AsyncLoads
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -58,6 +59,7 @@ class _Req:
     extra: bytes = b""
     next_chunk: int = 0  # chunks [0, next_chunk) are loaded, saved or planned
     had_saves: bool = False
+    loading: bool = False  # an asynchronous load is planned or running
 
 
 class KeyMirror:
@@ -143,6 +145,7 @@ class SchedulerSide:
         layout: the model's KV-cache groups (groups.py); default one full-attention group.
         can_load: False where the engine cannot compute a prompt's tail over loaded KV
             (vLLM's CPU MLA backend): saves go on, every lookup is a miss.
+        async_loads: which loads run off the engine step (settings.AsyncLoads).
     """
 
     # How long a request may wait for the workers' salts and index snapshots (they
@@ -165,6 +168,7 @@ class SchedulerSide:
         prefill_wait_s: float = 0.0,
         layout: GroupLayout | None = None,
         can_load: bool = True,
+        async_loads: AsyncLoads = AsyncLoads.AUTO,
     ) -> None:
         self.scheme = scheme
         self.layout = layout or GroupLayout.of(scheme.spec, shape)
@@ -198,12 +202,21 @@ class SchedulerSide:
         # req id -> (step, time) of its first lookup: the save fence (FENCE_WAIT_S).
         self._arrived: dict[str, tuple[int, float]] = {}
         self._reqs: dict[str, _Req] = {}
-        # req id -> (local prefix-cache hit, chunks matched), from the last lookup.
-        self._lookup: dict[str, tuple[int, int]] = {}
+        # req id -> (local prefix-cache hit, chunks matched, load asynchronous), from the
+        # last lookup: what vLLM was told, so the load is planned the same way.
+        self._lookup: dict[str, tuple[int, int, bool]] = {}
         # Lookup memo: req id -> (tokens hashed, keys). Hashing is pure, so this only
         # saves work when vLLM asks again for a request it could not schedule.
         self._memo: dict[str, tuple[int, list[bytes]]] = {}
         self._loads: list[LoadOp] = []
+        self.async_loads = async_loads
+        # AUTO on an embedded store with tiers below memory: the logical keys this engine
+        # stored or loaded last, as many as its memory tiers hold (sized when the
+        # workers' snapshots arrive). A load of these is planned synchronous: they are
+        # most likely still in memory. The store's own order may differ (another
+        # eviction policy, a put placed lower): a wrong guess costs a stall or a step of
+        # waiting, never a wrong or failed load (docs/connector.md, "Asynchronous loads").
+        self._fast: KeyMirror | None = None
         self.stats = KVTierConnectorStats()
 
     # -- lookup ---------------------------------------------------------------------------
@@ -253,17 +266,27 @@ class SchedulerSide:
         if n > 0 and not self._fenced(arrived):
             return None, False
         self.waits.settled(rid, n, limit)
-        self._lookup[rid] = (num_computed_tokens, n)
         hit = n * self.chunk_tokens - num_computed_tokens
-        # Loads are synchronous (before this step's forward): on a CPU engine the copy
-        # from host memory takes far less than a step, and the request runs at once.
-        # A hybrid model's load is announced as asynchronous (it still runs before the
-        # step's forward, the request waits one step): vLLM takes a failed load of a
+        # A hybrid model's load is always announced asynchronous (when fast, it still runs
+        # in start_load_kv and the request waits a step): vLLM takes a failed load of a
         # model of several KV-cache groups only per request (failed_recving), never as
         # block ids, which it cannot map back to a group.
         if hit <= 0:
+            self._lookup[rid] = (num_computed_tokens, n, False)
             return 0, False
-        return hit, self.layout.hybrid
+        slow = self._is_slow(keys[num_computed_tokens // self.chunk_tokens : n])
+        self._lookup[rid] = (num_computed_tokens, n, slow)
+        return hit, slow or self.layout.hybrid
+
+    def _is_slow(self, keys: list[bytes]) -> bool:
+        """Whether a load of ``keys`` runs off the engine step (settings.AsyncLoads)."""
+        if self.async_loads is not AsyncLoads.AUTO:
+            return self.async_loads is AsyncLoads.ON
+        if self.remote is not None:
+            return True  # the daemon: another process, maybe another host
+        if self._fast is None:
+            return False  # memory tiers only: a copy takes far less than a step
+        return not all(k in self._fast for k in keys)
 
     def _matched(self, keys: list[bytes], num_tokens: int, pending: dict[bytes, Any]) -> int | None:
         if not self.layout.hybrid:
@@ -323,9 +346,17 @@ class SchedulerSide:
         if st is None:
             st = _Req(request, block_ids, extra=_extra(request))
             self._reqs[rid] = st
+        elif st.loading:
+            # vLLM's second call for an asynchronous load: the load is over (a failed
+            # chunk reset next_chunk in update_connector_output) and the request is
+            # scheduled with its blocks for the rest of the prompt.
+            st.block_ids = block_ids
+            st.loading = False
+            self._lookup.pop(rid, None)  # a lookup after a load that failed in full
+            return
         else:  # resumed after preemption: the block table is new
             st.block_ids = block_ids
-        local, _ = self._lookup.pop(rid, (request.num_computed_tokens, 0))
+        local, _, slow = self._lookup.pop(rid, (request.num_computed_tokens, 0, False))
         self.stats.add("lookups", 1)
         self.stats.add("lookup_tokens", request.num_tokens)
         first = local // self.chunk_tokens
@@ -340,6 +371,7 @@ class SchedulerSide:
         if len(st.keys) < last:
             st.keys = keys[:last]  # the same chained keys _plan_saves extends
         bpc = self.blocks_per_chunk
+        st.loading = slow or self.layout.hybrid
         if not self.layout.hybrid:
             self._loads.append(
                 LoadOp(
@@ -347,14 +379,20 @@ class SchedulerSide:
                     tuple(keys[first:last]),
                     tuple(block_ids[0][first * bpc : last * bpc]),
                     local // self.block_size - first * bpc,
+                    asynchronous=slow,
                 )
             )
             self.mirror.touch(keys[first:last])
         else:
             plan = self.layout.load_plan(keys, block_ids, first, last, local // self.block_size)
             for group, gkeys, gblocks in plan:
-                self._loads.append(LoadOp(rid, tuple(gkeys), tuple(gblocks), 0, group))
+                self._loads.append(
+                    LoadOp(rid, tuple(gkeys), tuple(gblocks), 0, group, asynchronous=slow)
+                )
                 self.mirror.touch(gkeys)
+        if self._fast is not None:
+            for k in keys[first:last]:
+                self._fast.add(k)  # a hit below memory is promoted into it
         self.stats.add("hit_tokens", num_external_tokens)
 
     # -- per step -------------------------------------------------------------------------
@@ -468,12 +506,22 @@ class SchedulerSide:
         if worker_meta.index and isinstance(self.mirror, StoreMirror):
             # Index changes first: a save's evictions then count before its confirmation.
             self.mirror.apply(worker_meta.index)
+            if (
+                self._fast is None
+                and self.async_loads is AsyncLoads.AUTO
+                and self.mirror.ready()
+                and self.mirror.slow_tiers()
+            ):
+                # With the snapshots, before any save of this engine settles.
+                self._fast = KeyMirror(max(1, self.mirror.memory_chunks()))
         for key, n in worker_meta.stored.items():
             self._settle(key, n, 0)
         for key, n in worker_meta.failed.items():
             self._settle(key, 0, n)
         for key in worker_meta.missing:
             self.mirror.forget(key)
+            if self._fast is not None:
+                self._fast.discard(key)
         if worker_meta.missing:
             self._remote_memo.clear()  # the daemon lost chunks it reported: ask again
             # vLLM recomputes the chunks that failed to load; offer them for saving again.
@@ -498,6 +546,8 @@ class SchedulerSide:
                 self._open_steps.pop(counts[2], None)
             if counts[1] == 0:
                 self.mirror.confirm(key)
+                if self._fast is not None:
+                    self._fast.add(key)  # a put lands in the top tier
 
     def take_stats(self) -> KVTierConnectorStats | None:
         if self.stats.is_empty():

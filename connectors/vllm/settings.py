@@ -9,12 +9,14 @@ configuration from the same JSON, so they agree on chunk size and capacity.
 
 Daemon mode (remote.py): ``url``, ``token`` and ``daemon_timeout_s`` name a running
 ``kvtier serve`` instead of an embedded store; ``prefill_wait_s`` bounds a consumer's
-wait for a named prefill (handoff.py). They are the connector's own keys, not kvtier
-settings.
+wait for a named prefill (handoff.py); ``model_version`` names the weights (weights.py);
+``async_loads`` says which loads run off the engine step. They are the connector's own
+keys, not kvtier settings.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +30,15 @@ TOKEN_KEY = "token"
 TIMEOUT_KEY = "daemon_timeout_s"
 DAEMON_KEYS = frozenset({URL_KEY, TOKEN_KEY, TIMEOUT_KEY})
 PREFILL_WAIT_KEY = "prefill_wait_s"
+MODEL_VERSION_KEY = "model_version"
+ASYNC_LOADS_KEY = "async_loads"
 # The connector's own keys of kv_connector_extra_config: not kvtier settings.
-CONNECTOR_KEYS = DAEMON_KEYS | {CONFIG_FILE_KEY, PREFILL_WAIT_KEY}
+CONNECTOR_KEYS = DAEMON_KEYS | {
+    CONFIG_FILE_KEY,
+    PREFILL_WAIT_KEY,
+    MODEL_VERSION_KEY,
+    ASYNC_LOADS_KEY,
+}
 # How long a consumer waits, at most, for a prefill named in kv_transfer_params (handoff.py).
 DEFAULT_PREFILL_WAIT_S = 5.0
 
@@ -149,3 +158,49 @@ def prefill_wait_from_extra(extra: Mapping[str, Any]) -> float:
     if not wait_s >= 0 or wait_s == float("inf"):
         raise ConfigError(PREFILL_WAIT_KEY, raw, "seconds >= 0")
     return wait_s
+
+
+def model_version_from_extra(extra: Mapping[str, Any]) -> str | None:
+    """The operator's name for the weights (``model_version``), or None when not set.
+
+    Raises:
+        ConfigError: set, but not a non-empty string or number.
+    """
+    raw = extra.get(MODEL_VERSION_KEY)
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, str | int | float) or not str(raw).strip():
+        raise ConfigError(MODEL_VERSION_KEY, raw, "a non-empty string naming the weights")
+    return str(raw).strip()
+
+
+class AsyncLoads(enum.Enum):
+    """Which loads run off the engine step (``async_loads``; docs/connector.md).
+
+    An asynchronous load does not stall the batch: its request waits while the other
+    requests keep running, and starts one or two steps after its chunks are in place. A
+    synchronous load completes before the step's forward, so its request starts at once,
+    but every request of the step waits for it.
+    """
+
+    AUTO = "auto"
+    """Daemon mode: every load. Embedded store: a load of chunks that may be below the
+    memory tiers (nvme, Redis); chunks this engine stored or loaded recently, within
+    what its memory tiers hold, load synchronously."""
+    ON = "on"
+    """Every load."""
+    OFF = "off"
+    """None: every load completes before the step's forward (the behaviour before)."""
+
+
+def async_loads_from_extra(extra: Mapping[str, Any]) -> AsyncLoads:
+    """The ``async_loads`` setting (default ``auto``).
+
+    Raises:
+        ConfigError: not one of ``auto``, ``on``, ``off``.
+    """
+    raw = extra.get(ASYNC_LOADS_KEY, AsyncLoads.AUTO.value)
+    try:
+        return AsyncLoads(str(raw).strip().lower())
+    except ValueError:
+        raise ConfigError(ASYNC_LOADS_KEY, raw, "one of auto, on, off") from None

@@ -3,10 +3,14 @@
 It owns this rank's :class:`~kvtier.store.TieredStore` (the host tier is a shared-memory
 arena, ``HostTier.shm_path``, that other processes on the host can map) and moves bytes:
 
-* loads run synchronously in ``start_load_kv``, which vLLM calls before the forward
+* a synchronous load runs in ``start_load_kv``, which vLLM calls before the forward
   when a step has synchronous loads: ``store.get`` into a host staging buffer, then one
-  scatter per layer. Chunks the store no longer has, or that fail to read, are reported
-  through ``get_block_ids_with_load_errors`` so vLLM recomputes them;
+  scatter per layer. An asynchronous load (a slow tier: ``LoadOp.asynchronous``) does
+  the same on the load thread while the engine goes on with the other requests; its
+  request is reported in ``get_finished``'s receives when its blocks hold the bytes (or
+  its load failed). Chunks the store no longer has, or that fail to read, are reported
+  through ``get_block_ids_with_load_errors`` so vLLM recomputes them (for an
+  asynchronous load, in the same step as its receive, or earlier);
 * saves never run on the engine step: ``wait_for_save`` only queues them. A save
   thread gathers the blocks (one ``index_select`` per layer into staging) and puts them
   into the store. A request whose saves are queued keeps its blocks (the scheduler side
@@ -23,7 +27,10 @@ only TP rank 0 has one, and it sends what it loaded to the other TP ranks (a bro
 over vLLM's TP group, on its CPU group).
 
 Threading: vLLM calls the public methods on the worker's engine thread; the save thread
-touches only the mover (reads), the store (thread-safe) and the fields under ``_lock``.
+touches only the mover (reads), the store (thread-safe) and the fields under ``_lock``;
+the load thread the mover (``scatter`` into the blocks of its own requests, which no
+forward reads until their receive is reported), the store and the fields under
+``_lock``.
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ from .metadata import (
     LoadOp,
     SaveOp,
 )
-from .mirror import IndexFeed
+from .mirror import IndexFeed, memory_tier_names
 from .mover import BlockMover, select_mover
 from .remote import RemoteStore
 from .settings import ChunkShape, DaemonSettings
@@ -132,6 +139,9 @@ class WorkerSide:
         # Embedded store: its index changes, forwarded to the scheduler's mirror.
         self._feed: IndexFeed | None = None
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-save")
+        # One thread: asynchronous loads run in the order they were planned, and the
+        # daemon's same-host staging buffer (RemoteStore.staging) has one user.
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-load")
         self._lock = threading.Condition()
         self._outstanding: dict[str, int] = defaultdict(int)  # req id -> queued save ops
         self._finished: set[str] = set()  # finished requests waiting for their saves
@@ -139,10 +149,12 @@ class WorkerSide:
         self._failed: dict[bytes, int] = {}
         self._missing: set[bytes] = set()
         self._load_errors: set[int] = set()
-        # A hybrid model's loads are vLLM-asynchronous: requests loaded, and those whose
-        # load failed (recomputed by vLLM from the start), reported per request.
+        # vLLM-asynchronous loads (a hybrid model's, and those off the step): requests
+        # loaded, and a hybrid model's whose load failed (recomputed by vLLM from the
+        # start), reported per request.
         self._recving: set[str] = set()
         self._failed_recving: set[str] = set()
+        self._memory_tiers: frozenset[str] = frozenset()
         self.stats = KVTierConnectorStats()
         self._totals: dict[str, float] = {}
         self._closed = False
@@ -177,6 +189,7 @@ class WorkerSide:
             cfg = rank_dirs(self.cfg, self.spec, self.pp_rank)
             self.store = build_store(cfg, spec=self.spec, chunk_bytes=value_bytes).store
             self._feed = IndexFeed(self.store)
+            self._memory_tiers = memory_tier_names(self.store)
         else:
             log.info(
                 "kvtier worker: MLA latent, TP rank %d: loads come from TP rank 0's store",
@@ -205,11 +218,48 @@ class WorkerSide:
                 ),
             )
 
-    # -- loads (engine thread, before the forward) -----------------------------------------
+    # -- loads (engine thread before the forward, or the load thread) ----------------------
 
     def start_load_kv(self, meta: KVTierMetadata) -> None:
+        """Run this step's synchronous loads; queue its asynchronous ones (returns at once
+        for those), all of one request's (one per KV-cache group) as one task."""
+        off_step: dict[str, list[LoadOp]] = {}
         for op in meta.loads:
-            self._load(op)
+            # An MLA broadcast is a collective of the TP group: it stays on the engine
+            # thread, in the order every rank runs it.
+            if op.asynchronous and not self.broadcast:
+                off_step.setdefault(op.req_id, []).append(op)
+            else:
+                self._load(op)
+        for ops in off_step.values():
+            self._loader.submit(self._load_async, ops)
+
+    def _load_async(self, ops: list[LoadOp]) -> None:
+        try:
+            for op in ops:
+                self._load(op)
+            mover = self.mover
+            if mover is not None and mover.device.type == "cuda":
+                # The scatter ran on this thread's stream: the bytes must be in the
+                # blocks before the receive lets a forward on another stream read them.
+                torch.cuda.current_stream(mover.device).synchronize()
+        except Exception as exc:  # the load thread must always report; recompute it all
+            log.warning(
+                "kvtier load of request %s failed; vLLM recomputes it: %s", ops[0].req_id, exc
+            )
+            with self._lock:
+                if self.layout.hybrid:
+                    self._failed_recving.add(ops[0].req_id)
+                else:
+                    for op in ops:
+                        self._load_errors.update(op.block_ids[op.skip_blocks :])
+                for op in ops:
+                    self._missing.update(op.keys)
+        finally:
+            with self._lock:
+                # After the errors: they reach vLLM no later than the receive.
+                self._recving.add(ops[0].req_id)
+                self.stats.add("load_async", 1)
 
     def _load(self, op: LoadOp) -> None:
         store, mover = self.store, self.movers[op.group]
@@ -232,6 +282,12 @@ class WorkerSide:
                 # A chunk of another length is not this geometry's KV: never scatter it.
                 while good < res.chunks and res.value_bytes[good] == expected:
                     good += 1
+                if not op.asynchronous:
+                    # The scheduler's guess of what loads fast was wrong for these.
+                    slow = sum(t not in self._memory_tiers for t in res.tiers[:good])
+                    if slow:
+                        with self._lock:
+                            self.stats.add("load_sync_slow_chunks", slow)
             except KVTierError as exc:
                 log.warning("kvtier load of %d chunks failed; vLLM recomputes them: %s", n, exc)
         if self.broadcast:
@@ -253,7 +309,9 @@ class WorkerSide:
                 )
                 good, hi, written = 0, lo, 0
         with self._lock:
-            if self.layout.hybrid:
+            if self.layout.hybrid and not (op.asynchronous and not self.broadcast):
+                # Run on the engine thread: every group's op of the request is done when
+                # get_finished reports it. (Off the step, _load_async reports it.)
                 self._recving.add(op.req_id)
             if good < n:
                 failed = [b for b in op.block_ids[max(lo, hi) :] if b != NULL]
@@ -427,6 +485,7 @@ class WorkerSide:
         if self._closed:
             return
         self._closed = True
+        self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)
         if self.mover is not None:
             self.mover.close()

@@ -28,6 +28,8 @@ def test_second_identical_prompt_hits_and_matches(engine: Engine) -> None:
     assert after.get("load_tokens", 0) - before.get("load_tokens", 0) == 4 * CHUNK
     assert after.get("save_chunks", 0) - before.get("save_chunks", 0) >= 4
     assert second.tokens == first.tokens
+    # A host-tier hit loads before the step's forward, never off it (async_loads = "auto").
+    assert after.get("load_async", 0) == before.get("load_async", 0)
 
 
 def test_shared_prefix_loads_only_the_prefix(engine: Engine) -> None:

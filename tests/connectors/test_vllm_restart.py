@@ -4,7 +4,7 @@ Two engine processes run one after the other on the same configuration (restart_
 the first (vLLM's default multi-process engine) serves three prompts and exits cleanly;
 the second, a new process, serves the same prompts. Its scheduler side learns at start
 which keys the worker's nvme tier recovered, so every full chunk is a hit, loaded from
-nvme, with outputs identical to a recompute. The host tier is large enough that nothing
+nvme off the engine step, with outputs identical to a recompute. The host tier is large enough that nothing
 is demoted while the first engine runs: what the second finds was persisted by the first
 one's clean shutdown.
 """
@@ -91,3 +91,7 @@ def test_restarted_engine_hits_with_identical_outputs(runs: tuple[dict, dict]) -
     totals = second["totals"]
     assert totals["load_tokens"] == len(PROMPT_SEEDS) * FULL
     assert totals.get("load_failed_blocks", 0) == 0
+    # Recovered from nvme, never seen in memory by this engine: each load ran off the
+    # engine step (async_loads = "auto"), and none read nvme synchronously.
+    assert totals["load_async"] == len(PROMPT_SEEDS)
+    assert totals.get("load_sync_slow_chunks", 0) == 0
