@@ -150,7 +150,10 @@ install() {
   [ -n "$target" ] && pip+=(--upgrade --target "$target")
   "${pip[@]}" "$dir"/*.whl
   if [ -z "$kvt" ] && [ -f "$dir/kvtier-src.tar.gz" ]; then
-    kvt=$(mktemp -d); tar -C "$kvt" -xzf "$dir/kvtier-src.tar.gz"; kvt=$kvt/kvtier
+    kvt=$(mktemp -d)
+    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+      "$dir/kvtier-src.tar.gz" "$kvt"
+    kvt=$kvt/kvtier
   fi
   if [ -n "$kvt" ]; then "${pip[@]}" --no-build-isolation "$kvt"; fi
   echo "wheelhouse: installed $(ls "$dir"/*.whl | wc -l) wheels${kvt:+ and kvtier from $kvt}"
