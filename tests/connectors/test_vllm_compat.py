@@ -6,8 +6,8 @@
   ``KVTIER_TEST_VLLM_WHEELS`` naming a folder that holds ``vllm-0.26.*.whl`` (what
   ``scripts/wheelhouse.sh build`` leaves), a child process imports the connector against
   those sources: the connector module loads, the compatibility module sees 0.26, and
-  every method the connector overrides exists in 0.26's ``KVConnectorBase_V1`` with
-  the same parameters, or is one of the names 0.26 never calls. Skipped without it.
+  every method the connector overrides exists in 0.26's ``KVConnectorBase_V1`` (or
+  ``SupportsHMA``) with the same parameters, or is one of the names 0.26 never calls. Skipped without it.
 
 The engine runs on 0.26 themselves are the CUDA tests (test_vllm_cuda.py) on a GPU host.
 """
@@ -55,7 +55,6 @@ def test_installed_vllm_0_32_is_in_range() -> None:
 _PROBE = r"""
 import inspect, json
 import vllm
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1 as Base
 from kvtier.connectors.vllm import compat
 from kvtier.connectors.vllm.connector import KVTierConnector as C
 own = {n for n, v in vars(C).items() if callable(v) or isinstance(v, (property, classmethod))}
@@ -64,11 +63,13 @@ report = {"version": vllm.__version__, "compat": list(compat.vllm_version()),
           "host_hit_source": repr(compat.HOST_HIT_SOURCE),
           "abstract_left": sorted(getattr(C, "__abstractmethods__", ())),
           "missing_in_base": [], "signature_differs": []}
+bases = [b for b in C.__mro__[1:] if b.__module__.startswith("vllm.")]  # Base, SupportsHMA
 for name in sorted(own):
-    if not hasattr(Base, name):
+    owner = next((b for b in bases if hasattr(b, name)), None)
+    if owner is None:
         report["missing_in_base"].append(name)
         continue
-    mine, theirs = inspect.getattr_static(C, name), inspect.getattr_static(Base, name)
+    mine, theirs = inspect.getattr_static(C, name), inspect.getattr_static(owner, name)
     f = lambda x: getattr(x, "__func__", getattr(x, "fget", x))
     if callable(f(mine)) and callable(f(theirs)):
         a = list(inspect.signature(f(mine)).parameters)
@@ -79,7 +80,7 @@ print("PROBE " + json.dumps(report))
 """
 
 # Names the connector defines for 0.32 that 0.26's base class lacks: 0.26 never calls them.
-NEWER_THAN_0_26 = {"requires_kv_delivery"}
+NEWER_THAN_0_26 = {"requires_kv_delivery", "get_transfer_results"}
 
 
 def _wheel(version: str) -> Path:
