@@ -37,11 +37,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.errors import SpecError
 from kvtier.spec import DType, KVGroup, KVSpec, LayerKind
 
+from . import compat
 from .handoff import Role
 from .keys import KeyScheme
 from .metadata import KVTierConnectorStats, KVTierMetadata, KVTierWorkerMeta
@@ -222,12 +222,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         SpecError: a KV-cache group kvtier cannot serve (:func:`kv_groups`).
     """
 
-    _cache_hit_source = CacheHitSource.HOST
+    _cache_hit_source = compat.HOST_HIT_SOURCE  # None on vLLM 0.26, which has no labels
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        compat.check_version()
         ktc = self._kv_transfer_config
         extra = ktc.kv_connector_extra_config or {}
         self.cfg = config_from_extra(extra)

@@ -25,6 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .compat import resumed_req_ids
 from .groups import GroupLayout, as_groups, null_to_sentinel
 from .handoff import PrefillWaits, Role, handoff_of, producer_params
 from .keys import KeyScheme, request_extra
@@ -409,12 +410,13 @@ class SchedulerSide:
             if st is not None:
                 st.block_ids = self._group_ids(new.block_ids)
         cached = so.scheduled_cached_reqs
+        resumed = resumed_req_ids(cached)
         for i, rid in enumerate(cached.req_ids):
             st = self._reqs.get(rid)
             if st is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            if rid in cached.resumed_req_ids:
+            if rid in resumed:
                 st.block_ids = self._group_ids(new_ids)
             elif new_ids is not None:
                 for mine, more in zip(st.block_ids, self._group_ids(new_ids), strict=True):

@@ -52,6 +52,7 @@ from kvtier.spec import KVSpec
 from kvtier.store.store import TieredStore
 
 from .groups import NULL, GroupLayout
+from .inplace import load_in_place
 from .keys import rank_keys, rank_salt
 from .metadata import (
     KVTierConnectorStats,
@@ -267,6 +268,19 @@ class WorkerSide:
         t0 = time.perf_counter()
         n = len(op.keys)
         bpc = len(op.block_ids) // max(1, n)  # blocks per entry: a group may store a tail
+        keys = rank_keys(self._salt, op.keys)
+        if (
+            not self.broadcast
+            and not self.layout.hybrid
+            and NULL not in op.block_ids
+            and load_in_place(store, mover, keys, op.block_ids, op.skip_blocks, bpc)
+        ):
+            with self._lock:
+                self.stats.add("load_chunks", n)
+                self.stats.add("load_tokens", (n * bpc - op.skip_blocks) * self.block_size)
+                self.stats.add("load_bytes", n * bpc * mover.block_bytes)
+                self.stats.add("load_s", time.perf_counter() - t0)
+            return
         staging = mover.host_buffer(n * bpc)
         if isinstance(store, RemoteStore) and not staging.is_pinned():
             # Same-host daemon: it copies straight from its tier into this buffer. (A
@@ -277,7 +291,7 @@ class WorkerSide:
         good = 0
         if store is not None:
             try:
-                res = store.get(rank_keys(self._salt, op.keys), staging.numpy()).result()
+                res = store.get(keys, staging.numpy()).result()
                 expected = mover.block_bytes * bpc
                 # A chunk of another length is not this geometry's KV: never scatter it.
                 while good < res.chunks and res.value_bytes[good] == expected:
