@@ -12,6 +12,9 @@ py=${PYTHON:-python3}
 
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 pip=(.venv/bin/python -m pip --disable-pip-version-check)
+# setuptools prints a nine-line notice for every editable build, which a newcomer reads as
+# trouble; it says nothing about this project.
+export PYTHONWARNINGS="ignore:Editable installation"
 stamp=".venv/.setup-${mode}-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)"
 
 if [ ! -f "$stamp" ]; then
