@@ -12,6 +12,7 @@ from kvtier.errors import SpecError
 from kvtier.keys import ChunkHasher, Namespace
 from kvtier.spec import PRESETS, DType, KVSpec, preset
 from kvtier.store.policy import PlacementPolicy, eviction_factory, placement_factory
+from kvtier.store.quota import Quotas
 from kvtier.store.store import TieredStore
 from kvtier.tiers.base import SharedTier, Tier
 from kvtier.tiers.registry import create_tier
@@ -92,8 +93,13 @@ def build_store(
             for t in tiers:
                 t.close()
             raise
+    quotas = None
+    if cfg.tenants.enabled:
+        named, default = cfg.tenants.limits([t.name for t in tiers])
+        quotas = Quotas(named, default)
     store = TieredStore(
         tiers,
+        quotas=quotas,
         eviction=eviction_factory(cfg.store.eviction),
         placement=placement,
         io_threads=cfg.store.io_threads,

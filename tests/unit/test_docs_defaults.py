@@ -46,6 +46,7 @@ SECTIONS: dict[str, tuple[Any, set[str]]] = {
     "## `[store]`": (DEFAULT.store, set()),
     "## `[service]`": (DEFAULT.service, set()),
     "## `[placement]`": (DEFAULT.placement, set()),
+    "## `[tenants]`": (DEFAULT.tenants, set()),
     '### `kind = "host"`': ("host", set()),
     '### `kind = "cxl"`': ("cxl", set()),
     '### `kind = "gpu"`': ("gpu", set()),
