@@ -213,6 +213,18 @@ class TenantsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class EncryptionConfig:
+    """Encryption at rest of the persistent and shared tiers (nvme, redis)."""
+
+    # Seal every value those tiers store with AES-256-GCM, a key per tenant derived from
+    # the master key (needs the cryptography package: pip install 'kvtier[crypto]').
+    enabled: bool = False
+    # Master key file (32 random bytes in hex, mode 0600). It must exist when set.
+    # Empty: <service.data_dir>/master_key, made on first start.
+    key_file: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class KVTierConfig:
     """The whole configuration. Build with :func:`load_config`."""
 
@@ -222,6 +234,7 @@ class KVTierConfig:
     service: ServiceConfig = field(default_factory=ServiceConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     tenants: TenantsConfig = field(default_factory=TenantsConfig)
+    encryption: EncryptionConfig = field(default_factory=EncryptionConfig)
     # Python logging level name for kvtier's loggers.
     log_level: str = "INFO"
     # How the CLI and the daemon write log records to stderr: "text" (rich columns on a

@@ -47,6 +47,7 @@ SECTIONS: dict[str, tuple[Any, set[str]]] = {
     "## `[service]`": (DEFAULT.service, set()),
     "## `[placement]`": (DEFAULT.placement, set()),
     "## `[tenants]`": (DEFAULT.tenants, set()),
+    "## `[encryption]`": (DEFAULT.encryption, set()),
     '### `kind = "host"`': ("host", set()),
     '### `kind = "cxl"`': ("cxl", set()),
     '### `kind = "gpu"`': ("gpu", set()),
