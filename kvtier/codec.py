@@ -15,6 +15,7 @@ Thread-safe (no shared state); lz4 releases the GIL while it works.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -154,17 +155,27 @@ def decode(codec: int, payload: Any, out: npt.NDArray[Any]) -> None:
 
 
 def encode_stored(
-    chunk: npt.NDArray[Any], key: bytes, cipher: Cipher | None, compress: bool, min_ratio: float
-) -> tuple[npt.NDArray[Any], int]:
-    """What a tier stores for one chunk and its codec id: compressed when ``compress``
-    pays, then sealed for ``key`` when there is a ``cipher`` (flag :data:`SEALED`)."""
+    chunk: npt.NDArray[Any],
+    key: bytes,
+    cipher: Cipher | None,
+    compress: bool,
+    min_ratio: float,
+    into: Callable[[int], Any],
+) -> tuple[Any, int, int]:
+    """What a tier stores for one chunk: compressed when ``compress`` pays, then sealed
+    for ``key`` when there is a ``cipher`` (flag :data:`SEALED`), written into the
+    buffer ``into(n)`` gives for its ``n`` bytes. Returns (buffer, n, codec id)."""
     enc = encode(chunk, min_ratio=min_ratio) if compress else None
     payload = chunk if enc is None else np.frombuffer(enc.payload, dtype=np.uint8)
     codec = RAW if enc is None else enc.codec
-    if cipher is not None:
-        payload = np.frombuffer(cipher.seal(key, payload), dtype=np.uint8)
-        codec |= SEALED
-    return payload, codec
+    if cipher is None:
+        buf = into(payload.nbytes)
+        np.frombuffer(buf, dtype=np.uint8, count=payload.nbytes)[:] = payload
+        return buf, payload.nbytes, codec
+    n = payload.nbytes + cipher.overhead
+    buf = into(n)
+    cipher.seal_into(key, payload, memoryview(buf).cast("B")[:n])  # no copy of the plaintext
+    return buf, n, codec | SEALED
 
 
 def decode_stored(
@@ -179,6 +190,9 @@ def decode_stored(
     if codec & SEALED:
         if cipher is None:
             raise TierIOError("the chunk is sealed and encryption is off")
+        if codec == SEALED:  # raw bytes: opened straight into ``out``
+            cipher.open_into(key, payload, out.data.cast("B"))
+            return
         payload = cipher.open(key, payload)
     elif cipher is not None:
         raise CorruptChunkError("chunk stored in clear while encryption is on")

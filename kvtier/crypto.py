@@ -114,6 +114,31 @@ class Cipher:
                 self._keys[tag] = aead
         return aead
 
+    overhead = OVERHEAD
+
+    def seal_into(self, key: bytes, value: Any, out: memoryview) -> None:
+        """:meth:`seal` written into ``out`` (exactly the value's length plus
+        :data:`OVERHEAD`), with no copy of the value."""
+        nonce = os.urandom(NONCE)
+        out[:NONCE] = nonce
+        self._for(key[:4]).encrypt_into(nonce, value, key, out[NONCE:])
+
+    def open_into(self, key: bytes, sealed: Any, out: memoryview) -> None:
+        """:meth:`open` written into ``out`` (exactly the value's length).
+
+        Raises:
+            CorruptChunkError: as :meth:`open`; ``out`` may then hold garbage.
+        """
+        from cryptography.exceptions import InvalidTag
+
+        buf = memoryview(sealed).cast("B")
+        if buf.nbytes != out.nbytes + OVERHEAD:
+            raise CorruptChunkError("sealed value of the wrong length")
+        try:
+            self._for(key[:4]).decrypt_into(buf[:NONCE], buf[NONCE:], key, out)
+        except InvalidTag:
+            raise CorruptChunkError("sealed value fails its authentication tag") from None
+
     def seal(self, key: bytes, value: Any) -> bytes:
         """``value`` sealed for chunk ``key``: nonce || ciphertext || tag."""
         nonce = os.urandom(NONCE)

@@ -657,13 +657,14 @@ class NVMeTier(PersistentTier):
         compress, ratio = self.options.codec is not Codec.NONE, self.options.codec_min_ratio
 
         def prepare() -> Any:
-            payload, codec = kvcodec.encode_stored(chunk, key, self._cipher, compress, ratio)
-            if payload.nbytes > self.slot_bytes:  # never into the next slot
-                raise TierIOError(f"nvme tier {self.name}: sealed chunk over its slot")
-            stored[j], codecs[j], sums[j] = payload.nbytes, codec, _sum(payload)
-            req.nbytes = align_up(payload.nbytes, PAGE)
-            buf = self._bufs.get(req.nbytes)
-            np.frombuffer(buf, dtype=np.uint8, count=payload.nbytes)[:] = payload
+            def into(n: int) -> Any:  # the transfer's buffer; never past the slot
+                if n > self.slot_bytes:
+                    raise TierIOError(f"nvme tier {self.name}: sealed chunk over its slot")
+                req.nbytes = align_up(n, PAGE)
+                return self._bufs.get(req.nbytes)
+
+            buf, n, codec = kvcodec.encode_stored(chunk, key, self._cipher, compress, ratio, into)
+            stored[j], codecs[j], sums[j] = n, codec, _sum(np.frombuffer(buf, np.uint8, n))
             return buf
 
         return prepare

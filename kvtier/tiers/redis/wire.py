@@ -110,7 +110,9 @@ def encode(
         if enc.codec != kvcodec.RAW:
             codec_id, body = enc.codec, memoryview(enc.payload)
     if cipher is not None:
-        codec_id, body = codec_id | kvcodec.SEALED, memoryview(cipher.seal(key, body))
+        sealed = bytearray(body.nbytes + cipher.overhead)
+        cipher.seal_into(key, body, memoryview(sealed))
+        codec_id, body = codec_id | kvcodec.SEALED, memoryview(sealed)
     head = _HEADER.pack(
         MAGIC, FORMAT_VERSION, codec_id, body.nbytes, namespace, payload.nbytes, digest
     )
@@ -159,6 +161,11 @@ def decode_into(
     payload = memoryview(value)[HEADER_BYTES:]
     if bool(head.codec & kvcodec.SEALED) != (cipher is not None):
         raise CorruptChunkError("sealed value without a key, or a value in clear")
+    if cipher is not None and head.codec == kvcodec.SEALED:  # raw bytes: opened into dst
+        cipher.open_into(key, payload, dst)
+        if checksum(key, dst) != head.checksum:
+            raise CorruptChunkError("checksum mismatch")
+        return
     if cipher is not None:
         payload = memoryview(cipher.open(key, payload))
         head = Header(head.codec & ~kvcodec.SEALED, *dataclasses.astuple(head)[1:])
