@@ -451,7 +451,7 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(root, ignore_errors=True)
     print(f"filesystem: {fs}")
     print(
-        f"{'engine':9} {'op':6} {'MiB':>5} {'GB/s':>8} {'dd GB/s':>8} {'ratio':>6}"
+        f"{'engine':8} {'op':6} {'MiB':>5} {'GB/s':>8} {'dd GB/s':>8} {'ratio':>6}"
         f" {'dd x4 GB/s':>11} {'ratio4':>7} {'vs aiofiles':>11}"
     )
     for r in rows:
@@ -459,7 +459,7 @@ def main(argv: list[str]) -> int:
         if "vs_posix" in r:
             vs += f"  ({r['vs_posix']:.3f}x posix)"
         print(
-            f"{r['engine']:9} {r['op']:6} {r['size_bytes'] // MiB:5d} {r['tier_GBps']:8.3f} "
+            f"{r['engine']:8} {r['op']:6} {r['size_bytes'] // MiB:5d} {r['tier_GBps']:8.3f} "
             f"{r['baseline_GBps']:8.3f} {r['ratio']:6.2f} "
             f"{r['baseline4_GBps']:11.3f} {r['ratio4']:7.2f} {vs}"
         )
