@@ -171,6 +171,15 @@ def _contenders(root: Path, cap: int, slot: int, names: list[str]) -> dict[str, 
         elif name == "aiofiles":
             if not missing("aiofiles", "the aiofiles rows", "pip install aiofiles"):
                 out[name] = AiofilesBaseline(root / "tp-aiofiles", slot)
+        elif name == "posix+aes":  # sealed with AES-256-GCM ([encryption]); slots grow
+            if not missing("cryptography", "the posix+aes rows", "pip install 'kvtier[crypto]'"):
+                from kvtier.crypto import load_master_key
+
+                key_file = root / "master_key"
+                load_master_key(key_file, create=True)
+                out[name] = _tier(
+                    root, "tp-aes", cap * 2, slot + 4096, "posix", encryption_key_file=str(key_file)
+                )
         else:
             out[name] = _tier(root, f"tp-{name}", cap, slot, name)
     return out
@@ -285,6 +294,9 @@ def throughput(
                             "direct": all(_direct(tiers[e])),
                         }
                     )
+                    if e == "posix+aes" and "posix" in tiers:
+                        plain = nbytes / _median(times[f"posix:{op}"]) / 1e9
+                        rows[-1]["vs_posix"] = round(tg / plain, 3)
                     if "aiofiles" in tiers and e != "aiofiles":
                         af = nbytes / _median(times[f"aiofiles:{op}"]) / 1e9
                         rows[-1]["vs_aiofiles"] = round(tg / af, 3)
@@ -405,7 +417,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--slot-mib", type=float, default=2.0, help="chunk size in MiB")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument(
-        "--engines", default="posix,kvikio,aiofiles", help="tier engines, and the aiofiles baseline"
+        "--engines",
+        default="posix,posix+aes,kvikio,aiofiles",
+        help="tier engines (posix+aes: posix with encryption at rest), and the aiofiles baseline",
     )
     p.add_argument("--recover-chunks", type=int, default=100_000)
     p.add_argument("--recover-slot", type=int, default=4096)
@@ -442,6 +456,8 @@ def main(argv: list[str]) -> int:
     )
     for r in rows:
         vs = f"{r['vs_aiofiles']:11.2f}" if "vs_aiofiles" in r else f"{'-':>11}"
+        if "vs_posix" in r:
+            vs += f"  ({r['vs_posix']:.3f}x posix)"
         print(
             f"{r['engine']:8} {r['op']:6} {r['size_bytes'] // MiB:5d} {r['tier_GBps']:8.3f} "
             f"{r['baseline_GBps']:8.3f} {r['ratio']:6.2f} "

@@ -45,6 +45,7 @@ from kvtier.units import MiB
 STREAMS = [2]
 CHUNK_TOKENS = [256]
 BATCH_BYTES = [8 * MiB]  # set from --batch-bytes; the tier and the ceiling batch alike
+KEY_FILE = [""]  # master key of the kvtier+aes contender; empty without cryptography
 
 
 Fn = Callable[[], object]
@@ -100,7 +101,7 @@ class Target:
 
         return self.slots[key_slot(name)] if self.seeds else self.nodes[0]
 
-    def tier(self, slot_bytes: int, n: int) -> Any:
+    def tier(self, slot_bytes: int, n: int, key_file: str = "") -> Any:
         from kvtier.tiers.redis import Options, RedisTier
 
         opts = Options(
@@ -112,7 +113,10 @@ class Target:
             socket_timeout_s=60.0,
             batch_bytes=BATCH_BYTES[0],
             streams_per_node=STREAMS[0],
+            encryption_key_file=key_file,
         )
+        if key_file:  # a sealed value carries its nonce and tag
+            slot_bytes += 28
         return RedisTier(TierGeometry("redis", 2 * n * slot_bytes, slot_bytes, 1 << 40), opts)
 
     def flush(self) -> None:
@@ -145,6 +149,13 @@ def contenders(
     groups = list(by_node.values())
     pool = ThreadPoolExecutor(max_workers=len(groups))
     dst = {name: np.zeros_like(data) for name in ("kvtier", "ceiling", "twokey")}
+    sealed = None
+    if KEY_FILE[0]:  # the same puts and gets with encryption at rest ([encryption])
+        sealed = t.tier(chunk, n, KEY_FILE[0])
+        sexts = sealed.allocate(n)
+        assert sexts is not None and len(sexts) == 1, "the bench run must be one extent"
+        srun = SlotRun(sexts[0].offset, tuple(keys), chunk)
+        dst["kvtier+aes"] = np.zeros_like(data)
 
     def kv_put() -> None:
         tier.write(run, src)
@@ -191,7 +202,10 @@ def contenders(
 
     puts = {"kvtier": kv_put, "ceiling": fan(ceil_put_node), "twokey": twokey_put}
     gets = {"kvtier": kv_get, "ceiling": fan(ceil_get_node), "twokey": twokey_get}
-    return puts, gets, dst, tier
+    if sealed is not None:
+        puts["kvtier+aes"] = lambda: sealed.write(srun, src)
+        gets["kvtier+aes"] = lambda: sealed.read(srun, dst["kvtier+aes"].data)
+    return puts, gets, dst, (tier, sealed)
 
 
 def bench_target(
@@ -208,7 +222,9 @@ def bench_target(
             if not np.array_equal(out, data):
                 raise SystemExit(f"{t.name}/{name}: bytes read back differ from bytes written")
     finally:
-        tier.close()
+        for one in tier:
+            if one is not None:
+                one.close()
         t.flush()
     ct = CHUNK_TOKENS[0]
     nbytes = data.nbytes
@@ -226,6 +242,14 @@ def _row(target: str, op: str, s: dict[str, Sample], nbytes: int, ct: int) -> di
         "twokey_GBps": round(gbps["twokey"], 3),
         "vs_ceiling": round(gbps["kvtier"] / gbps["ceiling"], 3),
         "vs_twokey": round(gbps["kvtier"] / gbps["twokey"], 3),
+        **(
+            {
+                "kvtier_aes_GBps": round(gbps["kvtier+aes"], 3),
+                "aes_vs_kvtier": round(gbps["kvtier+aes"] / gbps["kvtier"], 3),
+            }
+            if "kvtier+aes" in gbps
+            else {}
+        ),
         "seconds": {
             k: {"median": v.median_s, "min": v.min_s, "max": v.max_s, "runs": v.runs}
             for k, v in s.items()
@@ -256,6 +280,12 @@ def main(argv: list[str]) -> int:
         return 0
     BATCH_BYTES[0] = args.batch_bytes
     STREAMS[0] = args.streams
+    key_dir = tempfile.TemporaryDirectory(prefix="kvtier-bench-redis-key-")
+    if not missing("cryptography", "the kvtier+aes columns", "pip install 'kvtier[crypto]'"):
+        from kvtier.crypto import load_master_key
+
+        KEY_FILE[0] = str(Path(key_dir.name) / "master_key")
+        load_master_key(Path(KEY_FILE[0]), create=True)
 
     spec = replace(preset(args.model), tp_size=args.tp, tp_rank=0)
     data = np.random.default_rng(0).integers(
@@ -313,11 +343,17 @@ def main(argv: list[str]) -> int:
         f"{'x ceil':>7} {'x 2key':>7}   (GB/s)"
     )
     for r in rows:
+        aes = (
+            f"   aes {r['kvtier_aes_GBps']:.3f} ({r['aes_vs_kvtier']:.3f}x)"
+            if "aes_vs_kvtier" in r
+            else ""
+        )
         print(
             f"{r['target']:<10} {r['chunk_tokens']:>5} {r['op']:<4} {r['kvtier_GBps']:>8.3f} "
             f"{r['ceiling_GBps']:>8.3f} "
-            f"{r['twokey_GBps']:>8.3f} {r['vs_ceiling']:>7.2f} {r['vs_twokey']:>7.2f}"
+            f"{r['twokey_GBps']:>8.3f} {r['vs_ceiling']:>7.2f} {r['vs_twokey']:>7.2f}{aes}"
         )
+    key_dir.cleanup()
     write_json(
         args.json_out,
         envelope("redis", rows, geometry=geometry, targets={"vs_ceiling": 0.8, "vs_twokey": 1.5}),

@@ -15,16 +15,23 @@ Thread-safe (no shared state); lz4 releases the GIL while it works.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvtier.errors import CorruptChunkError, PluginError, TierIOError
 
+if TYPE_CHECKING:
+    from kvtier.crypto import Cipher
+
 RAW = 0
 LZ4_SHUFFLE = 1
+SEALED = 0x80
+"""Flag on a stored codec id: the payload is sealed (:mod:`kvtier.crypto`); the codec
+bits below it say how the opened payload decodes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,3 +152,48 @@ def decode(codec: int, payload: Any, out: npt.NDArray[Any]) -> None:
     if len(raw) != out.nbytes:
         raise CorruptChunkError(f"lz4 payload decodes to {len(raw)} B, expected {out.nbytes} B")
     out[:] = np.frombuffer(raw, dtype=np.uint8)
+
+
+def encode_stored(
+    chunk: npt.NDArray[Any],
+    key: bytes,
+    cipher: Cipher | None,
+    compress: bool,
+    min_ratio: float,
+    into: Callable[[int], Any],
+) -> tuple[Any, int, int]:
+    """What a tier stores for one chunk: compressed when ``compress`` pays, then sealed
+    for ``key`` when there is a ``cipher`` (flag :data:`SEALED`), written into the
+    buffer ``into(n)`` gives for its ``n`` bytes. Returns (buffer, n, codec id)."""
+    enc = encode(chunk, min_ratio=min_ratio) if compress else None
+    payload = chunk if enc is None else np.frombuffer(enc.payload, dtype=np.uint8)
+    codec = RAW if enc is None else enc.codec
+    if cipher is None:
+        buf = into(payload.nbytes)
+        np.frombuffer(buf, dtype=np.uint8, count=payload.nbytes)[:] = payload
+        return buf, payload.nbytes, codec
+    n = payload.nbytes + cipher.overhead
+    buf = into(n)
+    cipher.seal_into(key, payload, memoryview(buf).cast("B")[:n])  # no copy of the plaintext
+    return buf, n, codec | SEALED
+
+
+def decode_stored(
+    codec: int, payload: Any, out: npt.NDArray[Any], *, key: bytes, cipher: Cipher | None
+) -> None:
+    """Inverse of :func:`encode_stored`, into ``out``.
+
+    Raises:
+        CorruptChunkError: a sealed payload fails its tag, or the payload does not decode.
+        TierIOError: the chunk is sealed and there is no cipher, or lz4 is missing.
+    """
+    if codec & SEALED:
+        if cipher is None:
+            raise TierIOError("the chunk is sealed and encryption is off")
+        if codec == SEALED:  # raw bytes: opened straight into ``out``
+            cipher.open_into(key, payload, out.data.cast("B"))
+            return
+        payload = cipher.open(key, payload)
+    elif cipher is not None:
+        raise CorruptChunkError("chunk stored in clear while encryption is on")
+    decode(codec & ~SEALED, payload, out)

@@ -182,6 +182,49 @@ class ServiceConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantsConfig:
+    """Per-tenant byte quotas per tier. Tenants are the daemon's token names (the
+    anonymous tenant "" without tokens). Any quota set turns tenants on: each chunk key then carries
+    its tenant's tag, so chunks stored before quotas were turned on are unreachable."""
+
+    # Tier name -> byte limit for every tenant not named in `quotas` ("1GiB"). A tier
+    # not listed is unlimited. Empty, with `quotas` empty: no tenants, no quotas.
+    default_quota: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # Tenant name -> {tier name -> byte limit}, e.g. quotas.alice.host = "2GiB". A tier
+    # not listed for a named tenant is unlimited for it.
+    quotas: Any = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def enabled(self) -> bool:
+        """Whether chunk keys carry tenants (any quota is set)."""
+        return bool(self.default_quota or self.quotas)
+
+    def limits(self, tier_names: list[str]) -> tuple[dict[str, dict[int, int]], dict[int, int]]:
+        """The quotas by tier position: ({tenant: {tier: bytes}}, {tier: bytes})."""
+        pos = {n: i for i, n in enumerate(tier_names)}
+        # ("nvme" is accepted before the daemon adds that tier: a program without it
+        # has no such tier to limit.)
+        named = {
+            tenant: {pos[t]: parse_size(v) for t, v in tiers.items() if t in pos}
+            for tenant, tiers in self.quotas.items()
+        }
+        default = {pos[t]: parse_size(v) for t, v in self.default_quota.items() if t in pos}
+        return named, default
+
+
+@dataclass(frozen=True, slots=True)
+class EncryptionConfig:
+    """Encryption at rest of the persistent and shared tiers (nvme, redis)."""
+
+    # Seal every value those tiers store with AES-256-GCM, a key per tenant derived from
+    # the master key (needs the cryptography package: pip install 'kvtier[crypto]').
+    enabled: bool = False
+    # Master key file (32 random bytes in hex, mode 0600). It must exist when set.
+    # Empty: <service.data_dir>/master_key, made on first start.
+    key_file: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class KVTierConfig:
     """The whole configuration. Build with :func:`load_config`."""
 
@@ -190,6 +233,8 @@ class KVTierConfig:
     tiers: tuple[TierSection, ...] = ()
     service: ServiceConfig = field(default_factory=ServiceConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    tenants: TenantsConfig = field(default_factory=TenantsConfig)
+    encryption: EncryptionConfig = field(default_factory=EncryptionConfig)
     # Python logging level name for kvtier's loggers.
     log_level: str = "INFO"
     # How the CLI and the daemon write log records to stderr: "text" (rich columns on a
@@ -363,8 +408,43 @@ def parse_config(raw: Mapping[str, Any]) -> KVTierConfig:
     if len(set(names)) != len(names):
         raise ConfigError("tiers.*.name", names, "unique tier names")
     cfg = dataclasses.replace(cfg, tiers=tuple(tiers))
+    # "nvme": the tier the daemon adds under service.data_dir when none is configured.
+    known = names if "nvme" in names else [*names, "nvme"]
+    cfg = dataclasses.replace(cfg, tenants=_validate_tenants(cfg.tenants, known))
     _validate(cfg)
     return cfg
+
+
+def _quota_table(raw: object, where: str, tiers: list[str]) -> Mapping[str, str]:
+    """A {tier name: size} table, checked and frozen (sizes kept as given)."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(where, raw, "a table of tier names to sizes")
+    out: dict[str, str] = {}
+    for tier, size in raw.items():
+        if tier not in tiers:
+            raise ConfigError(f"{where}.{tier}", size, f"a tier name, one of {tiers}")
+        try:
+            out[str(tier)] = str(parse_size(size))
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}.{tier}", size, "a size such as '4GiB'") from None
+    return MappingProxyType(out)
+
+
+def _validate_tenants(t: TenantsConfig, tiers: list[str]) -> TenantsConfig:
+    if not isinstance(t.quotas, Mapping):
+        raise ConfigError("tenants.quotas", t.quotas, "a table of tenant names to tables")
+    quotas: dict[str, Mapping[str, str]] = {}
+    for tenant, table in t.quotas.items():
+        if not _TENANT_RE.fullmatch(str(tenant)):
+            raise ConfigError(
+                f"tenants.quotas.{tenant}", table, "a tenant name of [a-z0-9_.-], 1-64 chars"
+            )
+        quotas[str(tenant)] = _quota_table(table, f"tenants.quotas.{tenant}", tiers)
+    return dataclasses.replace(
+        t,
+        quotas=MappingProxyType(quotas),
+        default_quota=_quota_table(t.default_quota, "tenants.default_quota", tiers),
+    )
 
 
 def _validate(cfg: KVTierConfig) -> None:

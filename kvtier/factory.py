@@ -8,10 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.config import KVTierConfig, ModelConfig
-from kvtier.errors import SpecError
+from kvtier.crypto import OVERHEAD, load_master_key
+from kvtier.errors import ConfigError, SpecError
 from kvtier.keys import ChunkHasher, Namespace
 from kvtier.spec import PRESETS, DType, KVSpec, preset
 from kvtier.store.policy import PlacementPolicy, eviction_factory, placement_factory
+from kvtier.store.quota import Quotas
 from kvtier.store.store import TieredStore
 from kvtier.tiers.base import SharedTier, Tier
 from kvtier.tiers.registry import create_tier
@@ -43,6 +45,30 @@ class Built:
     hasher: ChunkHasher
 
 
+def master_key_file(cfg: KVTierConfig) -> str:
+    """The master key file of ``[encryption]`` (made under the data directory on first
+    start when not given); empty when encryption is off.
+
+    Raises:
+        ConfigError: a given key file that is missing or malformed, or neither a key
+            file nor a data directory to keep one in.
+    """
+    enc = cfg.encryption
+    if not enc.enabled:
+        return ""
+    if enc.key_file:
+        path = Path(enc.key_file).expanduser()
+        load_master_key(path, create=False)
+    elif cfg.service.data_dir:
+        path = Path(cfg.service.data_dir).expanduser() / "master_key"
+        load_master_key(path, create=True)
+    else:
+        raise ConfigError(
+            "encryption.key_file", "", "a key file, or service.data_dir to make one in"
+        )
+    return str(path)
+
+
 def build_store(
     cfg: KVTierConfig,
     *,
@@ -67,9 +93,17 @@ def build_store(
     slot = chunk_bytes or spec.chunk_bytes(cfg.store.chunk_tokens)
     namespace = Namespace(cfg.model.name, spec.fingerprint, cfg.store.chunk_tokens, tenant)
     tiers: list[Tier] = []
+    key_file = master_key_file(cfg)
     try:
         for section in cfg.tiers:
-            tier = create_tier(section, slot, cfg.store.max_extent_bytes)
+            sealed = hasattr(section.options, "encryption_key_file")
+            if sealed and key_file and not section.options.encryption_key_file:
+                options = dataclasses.replace(section.options, encryption_key_file=key_file)
+                section = dataclasses.replace(section, options=options)
+            # A sealed value is longer than the value: its nonce and tag share its slot.
+            sealed = sealed and bool(section.options.encryption_key_file)
+            tier_slot = slot + OVERHEAD if sealed else slot
+            tier = create_tier(section, tier_slot, cfg.store.max_extent_bytes)
             tiers.append(tier)
             if isinstance(tier, SharedTier):  # keeps tenants apart in the shared medium
                 tier.bind(namespace)
@@ -92,8 +126,13 @@ def build_store(
             for t in tiers:
                 t.close()
             raise
+    quotas = None
+    if cfg.tenants.enabled:
+        named, default = cfg.tenants.limits([t.name for t in tiers])
+        quotas = Quotas(named, default)
     store = TieredStore(
         tiers,
+        quotas=quotas,
         eviction=eviction_factory(cfg.store.eviction),
         placement=placement,
         io_threads=cfg.store.io_threads,

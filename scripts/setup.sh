@@ -24,7 +24,7 @@ if [ ! -f "$stamp" ]; then
   else
     # torch first and pinned: an unpinned torch would pull the multi-GB CUDA build.
     "${pip[@]}" install -q "torch==2.13.0"
-    "${pip[@]}" install -q -e ".[dev,service,redis]"
+    "${pip[@]}" install -q -e ".[dev,service,redis,crypto]"
     # vLLM (CPU build) and LMCache (for the connectors/lmcache tests) in one resolution,
     # torch pinned so pip keeps the CPU build. LMCache caps opentelemetry at 1.40; one
     # after the other, pip would first take vLLM's newest opentelemetry, then downgrade

@@ -92,7 +92,7 @@ class Daemon:
         salt = s.key_salt
         if not salt and s.data_dir:
             salt = load_or_create_salt(Path(s.data_dir).expanduser() / "key_salt")
-        self.mapper = KeyMapper(salt)
+        self.mapper = KeyMapper(salt, tagged=cfg.tenants.enabled)
         self.metrics = RequestMetrics()
         self.tenants = TenantCounters()
         self.ready = False

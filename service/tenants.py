@@ -27,6 +27,7 @@ from pathlib import Path
 from kvtier.errors import ConfigError
 from kvtier.files import make_private_dirs
 from kvtier.keys import ChunkKey
+from kvtier.store.quota import tag_key, tenant_tag
 
 log = logging.getLogger(__name__)
 
@@ -90,14 +91,17 @@ class KeyMapper:
     Args:
         salt: the daemon's secret; empty draws a random one (chunks recovered by a
             persistent tier after a restart are then unreachable).
+        tagged: each key's first bytes name its tenant (:mod:`kvtier.store.quota`), so
+            the store can keep per-tenant quotas.
     """
 
-    def __init__(self, salt: str = "") -> None:
+    def __init__(self, salt: str = "", *, tagged: bool = False) -> None:
         if salt:
             self._salt = hashlib.blake2b(salt.encode(), digest_size=32).digest()
         else:
             self._salt = secrets.token_bytes(32)
         self.random_salt = not salt
+        self.tagged = tagged
         self._per_tenant: dict[str, hashlib.blake2b] = {}  # prepared keyed hashers, per tenant
 
     def _hasher(self, tenant: Tenant) -> hashlib.blake2b:
@@ -116,6 +120,9 @@ class KeyMapper:
             h = base.copy()
             h.update(key)
             out.append(ChunkKey(h.digest()))
+        if self.tagged:
+            tag = tenant_tag(tenant.name)
+            out = [tag_key(k, tag) for k in out]
         return out
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from kvtier.keys import ChunkKey
 from kvtier.store.policy import EvictionFactory, EvictionPolicy, PlacementPolicy
+from kvtier.store.quota import QuotaBooks, Quotas, tag_of
 from kvtier.store.types import EventKind, StoreEvent, StoreStats
 from kvtier.tiers.base import PersistentTier, SlotRun, Tier
 
@@ -149,6 +150,7 @@ class StoreIndex:
         eviction: builds one eviction policy per tier.
         placement: the store's placement; the index runs its hooks under its lock.
         emit: announces index changes (INDEXED / UNINDEXED events).
+        quotas: per-tenant byte limits per tier (:mod:`kvtier.store.quota`), or None.
     """
 
     def __init__(
@@ -157,6 +159,7 @@ class StoreIndex:
         eviction: EvictionFactory,
         placement: PlacementPolicy,
         emit: Callable[[StoreEvent], None],
+        quotas: Quotas | None = None,
     ) -> None:
         self.tiers = tuple(tiers)
         self._placement = placement
@@ -182,6 +185,7 @@ class StoreIndex:
         # _FreeBatch); None while no batch is open.
         self._frees: list[Slot] | None = None
         self._batch = _FreeBatch(self)
+        self.books = None if quotas is None else QuotaBooks(quotas, self.tiers, self.lock)
 
     # -- queries, pins and deletes ---------------------------------------------------------
 
@@ -406,6 +410,8 @@ class StoreIndex:
         for key, slot_no in reversed(written):
             self._entries[key] = Entry(Slot(key, t, slot_no, value_bytes))
             self._evict[t].insert(key, value_bytes)
+        if self.books is not None:
+            self.books.charge([k for k, _ in written], t, 1)
         if written:
             keys = tuple(k for k, _ in written)
             self._emit_keys(EventKind.INDEXED, t, keys, len(keys) * value_bytes)
@@ -441,6 +447,8 @@ class StoreIndex:
                 out.append(e.slot)
             for key in reversed(new):  # head most recent, as in add_written
                 self._evict[t].insert(key, self._entries[key].slot.value_bytes)
+                if self.books is not None:
+                    self.books.charge([key], t, 1)
             self._counts.adopted_chunks += len(new)
             if new:
                 nbytes = sum(self._entries[k].slot.value_bytes for k in new)
@@ -518,6 +526,34 @@ class StoreIndex:
                 self._unclaim_locked(victims)
                 return Room.SHORT
             keys = [v.key for v in victims]
+            target = self._placement.demote_target(t, len(self.tiers), keys)
+            if target is None:
+                self._drop_locked(t, victims)
+                return Room.DROPPED
+            return Eviction(tuple(victims), target)
+
+    def prepare_quota(
+        self, t: int, tag: int, nbytes: int, *, evict: bool = True
+    ) -> Room | Eviction:
+        """A round of making room for ``nbytes`` of tenant ``tag`` within its quota in
+        tier ``t``, as :meth:`prepare_eviction` does for the tier, but among the tenant's
+        own chunks only. :attr:`Room.FREE`: they fit (or the tenant has no limit there)
+        and are reserved (give them back with ``books.release``)."""
+        with self.lock:
+            over = 0 if self.books is None else self.books.try_reserve(tag, t, nbytes)
+            if over <= 0:
+                return Room.FREE
+            need = -(-over // self.tiers[t].slot_bytes)  # chunks
+            keys: list[ChunkKey] = []
+            for key in self._evict[t].candidates() if evict else ():
+                e = self._entries.get(key)
+                if tag_of(key) == tag and not (e is None or e.pins or e.moving or e.slot.readers):
+                    keys.append(key)
+                    if len(keys) >= need:
+                        break
+            if len(keys) < need:
+                return Room.SHORT
+            victims = self._claim_locked(keys, range(t, t + 1))
             target = self._placement.demote_target(t, len(self.tiers), keys)
             if target is None:
                 self._drop_locked(t, victims)
@@ -617,6 +653,8 @@ class StoreIndex:
                 self._evict[old.tier].remove(old.key)
                 e.slot = new
                 self._evict[new.tier].insert(old.key, old.value_bytes)
+                if self.books is not None:
+                    self.books.charge([old.key], old.tier, -1, to=new.tier)
                 self._retire_locked(old)
                 moved = True
             elif drop:
@@ -635,6 +673,8 @@ class StoreIndex:
         """
         del self._entries[key]
         self._evict[e.slot.tier].remove(key)
+        if self.books is not None:
+            self.books.charge([key], e.slot.tier, -1)
         self._gone.append(e.slot)
         self._retire_locked(e.slot)
 
@@ -700,6 +740,8 @@ class StoreIndex:
                         continue
                     self._entries[key] = Entry(slot)
                     self._evict[t].insert(key, run.value_bytes)
+                    if self.books is not None:
+                        self.books.charge([key], t, 1)
                     recovered += 1
             if recovered:
                 log.info("tier %s: recovered %d chunks", tier.name, recovered)

@@ -23,7 +23,8 @@ from kvtier.alloc import Extent
 from kvtier.errors import CorruptChunkError, TierError
 from kvtier.keys import ChunkKey
 from kvtier.store.events import Events
-from kvtier.store.index import Room, Slot, StoreIndex, runs_of
+from kvtier.store.index import Eviction, Room, Slot, StoreIndex, runs_of
+from kvtier.store.quota import tag_of
 from kvtier.store.types import EventKind, GetResult, PutResult, StoreEvent
 from kvtier.tiers.base import SharedTier, SlotRun, ViewableTier
 
@@ -94,6 +95,7 @@ class Mover:
         self.shared = {i: t for i, t in enumerate(self.tiers) if isinstance(t, SharedTier)}
         self.views = [t if isinstance(t, ViewableTier) else None for t in self.tiers]
         self._background = background
+        self.quotas = None if index.books is None else index.books.quotas
 
     # -- put -------------------------------------------------------------------------------
 
@@ -102,14 +104,44 @@ class Mover:
     ) -> PutResult:
         """Store the new ``keys`` (values in ``view``), protecting ``prefix``."""
         if not prefix:
-            return self._put_pinned(keys, view, value_bytes)
+            return self._put_tenants(keys, view, value_bytes)
         held = self.index.pin(prefix)
         try:
-            return self._put_pinned(keys, view, value_bytes)
+            return self._put_tenants(keys, view, value_bytes)
         finally:
             self.index.unpin(held)
 
-    def _put_pinned(self, keys: list[ChunkKey], view: Values, value_bytes: int) -> PutResult:
+    def _put_tenants(self, keys: list[ChunkKey], view: Values, value_bytes: int) -> PutResult:
+        """With quotas, each tenant's run of keys is put on its own quota."""
+        if self.quotas is None:
+            return self._put_pinned(keys, view, value_bytes, None)
+        tags = [tag_of(k) for k in keys]
+        if all(tg == tags[0] for tg in tags):
+            return self._put_pinned(keys, view, value_bytes, tags[0])
+        out = PutResult(0, 0, 0, 0)
+        i = 0
+        while i < len(keys):
+            j = i + 1
+            while j < len(keys) and tags[j] == tags[i]:
+                j += 1
+            part = (
+                view[i * value_bytes : j * value_bytes]
+                if isinstance(view, memoryview)
+                else view[i:j]
+            )
+            r = self._put_pinned(keys[i:j], part, value_bytes, tags[i])
+            out = PutResult(
+                out.stored + r.stored,
+                out.present + r.present,
+                out.rejected + r.rejected,
+                out.failed + r.failed,
+            )
+            i = j
+        return out
+
+    def _put_pinned(
+        self, keys: list[ChunkKey], view: Values, value_bytes: int, tag: int | None
+    ) -> PutResult:
         fresh = self.index.prepare_store(keys)
         stored = failed = 0
         try:
@@ -122,26 +154,53 @@ class Mover:
                     continue
                 # A run longer than the whole tier keeps its head here, the rest goes on down.
                 take = min(len(todo), self.tiers[t].capacity_slots)
-                extents = None
-                for _ in range(3):  # another put may take the room we made; try again
-                    if not self.make_room(t, take):
-                        # Pinned or busy chunks hold part of the tier: store what fits.
-                        take = min(take, self.index.evictable_slots(t))
-                        if take < 1 or not self.make_room(t, take):
-                            break
-                    extents = self.tiers[t].allocate(take)
-                    if extents is not None:
-                        break
-                if extents is None:
-                    continue
-                s, f = self._write_new(t, extents, todo[:take], view, value_bytes)
-                stored += s
-                failed += f
-                todo = todo[take:]
+                quota = 0  # bytes reserved in the tenant's quota, given back below
+                if tag is not None:
+                    limit = self.quotas.limit(tag, t) if self.quotas is not None else None
+                    if limit is not None:
+                        slot = self.tiers[t].slot_bytes  # what a chunk is charged
+                        take = min(take, limit // slot)  # so is one over the quota
+                        if take < 1 or not self.quota_room(t, tag, take * slot):
+                            continue
+                        quota = take * slot
+                try:
+                    stored, failed, todo = self._put_tier(
+                        t, take, todo, view, value_bytes, stored, failed
+                    )
+                finally:
+                    if tag is not None and quota:
+                        self._release(t, tag, quota)
             rejected = len(todo)
         finally:
             self.index.complete_store(fresh, stored, failed)
         return PutResult(stored, len(keys) - len(fresh), rejected, failed)
+
+    def _put_tier(
+        self,
+        t: int,
+        take: int,
+        todo: list[tuple[int, ChunkKey]],
+        view: Values,
+        value_bytes: int,
+        stored: int,
+        failed: int,
+    ) -> tuple[int, int, list[tuple[int, ChunkKey]]]:
+        """Write the first ``take`` of ``todo`` into tier ``t``, making room; returns the
+        counts and what is left to place."""
+        extents = None
+        for _ in range(3):  # another put may take the room we made; try again
+            if not self.make_room(t, take):
+                # Pinned or busy chunks hold part of the tier: store what fits.
+                take = min(take, self.index.evictable_slots(t))
+                if take < 1 or not self.make_room(t, take):
+                    break
+            extents = self.tiers[t].allocate(take)
+            if extents is not None:
+                break
+        if extents is None:
+            return stored, failed, todo
+        s, f = self._write_new(t, extents, todo[:take], view, value_bytes)
+        return stored + s, failed + f, todo[take:]
 
     def _write_new(
         self,
@@ -191,12 +250,16 @@ class Mover:
         tier = self.tiers[t]
         tier.note_written(value_bytes)
         self.index.complete_store_one(t, key, slot_no, value_bytes)
+        if self.quotas is not None:
+            self._release(t, tag_of(key), tier.slot_bytes)
         self.emit(StoreEvent(EventKind.STORED, tier.name, 1, value_bytes))
 
     def cancel_reserved(self, t: int, key: ChunkKey, slot_no: int) -> None:
         """Give back a reserved slot that was not filled; its key stays absent."""
         self.tiers[t].release(slot_no, 1)
         self.index.cancel_store_one(key)
+        if self.quotas is not None:
+            self._release(t, tag_of(key), self.tiers[t].slot_bytes)
 
     # -- get -------------------------------------------------------------------------------
 
@@ -244,12 +307,25 @@ class Mover:
         movable = self.index.prepare_move(keys[:limit], range(1, len(self.tiers)))
         if not movable:
             return
-        if not self.make_room(0, len(movable)):
-            self.index.cancel_move(movable)
-            return
-        moved = self._move(movable, 0, drop_on_failure=False)
-        if moved:
-            self.emit(StoreEvent(EventKind.PROMOTED, self.tiers[0].name, moved, 0))
+        reserved: list[tuple[int, int]] = []
+        if self.quotas is not None:
+            movable, reserved = self._fit_quotas(0, movable, self.index.cancel_move)
+        try:
+            if not movable:
+                return
+            if not self.make_room(0, len(movable)):
+                self.index.cancel_move(movable)
+                return
+            moved = self._move(movable, 0, drop_on_failure=False)
+            if moved:
+                self.emit(StoreEvent(EventKind.PROMOTED, self.tiers[0].name, moved, 0))
+        finally:
+            for tag, nbytes in reserved:
+                self._release(0, tag, nbytes)
+
+    def _release(self, t: int, tag: int, nbytes: int) -> None:
+        if self.index.books is not None:
+            self.index.books.release(t, tag, nbytes)
 
     # -- shared tiers ----------------------------------------------------------------------
 
@@ -309,14 +385,67 @@ class Mover:
                 return False
             if ev is Room.DROPPED:
                 continue
-            victims = list(ev.victims)
+            self._demote(t, ev)
+        return tier.free_slots >= n
+
+    def quota_room(self, t: int, tag: int, nbytes: int) -> bool:
+        """Make ``nbytes`` fit in tenant ``tag``'s quota in tier ``t`` by demoting or
+        dropping its own coldest chunks there, and reserve them (give them back with
+        :meth:`StoreIndex.release_quota`). False, reserving nothing, when they cannot fit.
+        No lock held."""
+        for _ in range(_MAKE_ROOM_ROUNDS):
+            ev = self.index.prepare_quota(t, tag, nbytes)
+            if ev is Room.FREE:
+                return True
+            if ev is Room.SHORT:
+                return False
+            if ev is Room.DROPPED:
+                continue
+            self._demote(t, ev)
+        return False
+
+    def _demote(self, t: int, ev: Eviction) -> None:
+        """Move the victims of tier ``t`` claimed by ``ev`` down to its target, each
+        within its tenant's quota there (those that do not fit are dropped)."""
+        victims, reserved = self._fit_quotas(
+            ev.target, list(ev.victims), functools.partial(self.index.drop_moves, t)
+        )
+        try:
+            if not victims:
+                return
             if self.make_room(ev.target, len(victims)):
                 moved = self._move(victims, ev.target, drop_on_failure=True)
                 if moved:
                     self.emit(StoreEvent(EventKind.DEMOTED, self.tiers[ev.target].name, moved, 0))
             else:
                 self.index.drop_moves(t, victims)
-        return tier.free_slots >= n
+        finally:
+            for tag, nbytes in reserved:
+                self._release(ev.target, tag, nbytes)
+
+    def _fit_quotas(
+        self, target: int, slots: list[Slot], give_up: Callable[[list[Slot]], object]
+    ) -> tuple[list[Slot], list[tuple[int, int]]]:
+        """The claimed ``slots`` whose tenants' quotas in tier ``target`` have room for
+        them (reserved: the (tag, bytes) returned); ``give_up`` is called on the others
+        (a demotion drops them, a promotion leaves them where they are)."""
+        if self.quotas is None:
+            return slots, []
+        groups: dict[int, list[Slot]] = {}
+        for sl in slots:
+            groups.setdefault(tag_of(sl.key), []).append(sl)
+        kept: list[Slot] = []
+        reserved: list[tuple[int, int]] = []
+        for tag, group in groups.items():
+            nbytes = len(group) * self.tiers[target].slot_bytes
+            if self.quotas.limit(tag, target) is None:
+                kept += group
+            elif self.quota_room(target, tag, nbytes):
+                kept += group
+                reserved.append((tag, nbytes))
+            else:
+                give_up(group)
+        return kept, reserved
 
     def persist(self, t: int, target: int, limit: int) -> int:
         """Move tier ``t``'s chunks down into persistent tier ``target`` (a clean close).

@@ -47,9 +47,10 @@ from kvtier.keys import ChunkKey, check_keys
 from kvtier.store.events import Events, Listener
 from kvtier.store.executor import INLINE, Executor, Finished, InlineExecutor, StealingExecutor
 from kvtier.store.handles import HeldValue, Reservation
-from kvtier.store.index import Slot, StoreIndex
+from kvtier.store.index import Room, Slot, StoreIndex
 from kvtier.store.mover import Mover, Values
 from kvtier.store.policy import EvictionFactory, LRUEviction, PlacementPolicy, WriteThrough
+from kvtier.store.quota import Quotas, tag_of
 from kvtier.store.types import (
     EventKind,
     GetResult,
@@ -111,6 +112,9 @@ class TieredStore:
             thread (a synchronous fast path for metadata-only simulation, where the
             thread hand-offs would cost more than the work).
         promote_on_hit: move chunks hit in a lower tier back to the top, in the background.
+        quotas: per-tenant byte limits per tier, the tenant read from each key's tag
+            (:mod:`kvtier.store.quota`). A tenant over its limit in a tier makes room
+            there by demoting or dropping its own coldest chunks, never another's.
     """
 
     def __init__(
@@ -121,13 +125,17 @@ class TieredStore:
         placement: PlacementPolicy | None = None,
         io_threads: int = 4,
         promote_on_hit: bool = True,
+        quotas: Quotas | None = None,
     ) -> None:
         if not tiers:
             raise InputError("a store needs at least one tier")
         self.tiers: tuple[Tier, ...] = tuple(tiers)
         self.placement = placement or WriteThrough()
         self._events = Events()
-        self._index = StoreIndex(self.tiers, eviction, self.placement, self._events.emit)
+        self._index = StoreIndex(
+            self.tiers, eviction, self.placement, self._events.emit, quotas=quotas
+        )
+        self.quotas = quotas
         self._mover = Mover(
             self._index,
             self._events,
@@ -235,14 +243,23 @@ class TieredStore:
                     break  # put() makes room, or writes through the tier
                 if not self._index.admit(t, [key], value_bytes):
                     continue
+                # Over its quota here, the tenant must evict its own chunks (put() does).
+                tag = None if self.quotas is None else tag_of(key)
+                if tag is not None and (
+                    self._index.prepare_quota(t, tag, tier.slot_bytes, evict=False) is not Room.FREE
+                ):
+                    break
                 extents = tier.allocate(1)
-                if extents is None:
+                view = None
+                if extents is not None:
+                    view = tier.slot_view(extents[0].offset, value_bytes)
+                    if view is None:
+                        tier.release(extents[0].offset, 1)
+                if extents is None or view is None:
+                    if tag is not None and self._index.books is not None:
+                        self._index.books.release(t, tag, tier.slot_bytes)
                     break
                 offset = extents[0].offset
-                view = tier.slot_view(offset, value_bytes)
-                if view is None:
-                    tier.release(offset, 1)
-                    break
                 return Reservation(self._mover, self._done, key, t, offset, view)
         except BaseException:
             self._index.cancel_store_one(key)
@@ -374,6 +391,18 @@ class TieredStore:
             self._index.unread(slots)
             raise InputError(f"destination of {view.nbytes} B; the hit needs {need} B")
         return checked, view, slots, need
+
+    def quota_use(self) -> dict[tuple[str, str], int]:
+        """Bytes each tenant's chunks take per tier (a slot each), as {(tenant, tier
+        name): bytes}:
+        a named tenant by its name, another by its tag in hex. Empty without quotas.
+        Thread-safe."""
+        if self.quotas is None or self._index.books is None:
+            return {}
+        return {
+            (self.quotas.name(tag), self.tiers[t].name): n
+            for (tag, t), n in self._index.books.use().items()
+        }
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         """Remove chunks; returns how many were present. Reads in flight finish first.

@@ -84,6 +84,18 @@ WITHOUT = [
         ["--sizes", "4", "--repeat", "1", "--skip-recovery", "--engines", "posix"],
         "skipping the codec rows: lz4 is not installed",
     ),
+    (
+        "nvme",
+        "cryptography",
+        ["--sizes", "4", "--repeat", "1", "--skip-recovery", "--engines", "posix,posix+aes"],
+        "skipping the posix+aes rows: cryptography is not installed",
+    ),
+    (
+        "redis",
+        "cryptography",
+        ["--tokens", "256", "--repeat", "1", "--targets", "single"],
+        "skipping the kvtier+aes columns: cryptography is not installed",
+    ),
 ]
 
 

@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvtier.config import Switch
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
+from kvtier.store.quota import Quotas, tag_key, tenant_tag
 from kvtier.tiers.base import TierGeometry
 from kvtier.tiers.cxl import CXLTier
 from kvtier.tiers.cxl import Options as CXLOptions
@@ -46,6 +47,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.written: dict[int, int] = {}  # key id -> value length
         self.pinned: dict[int, int] = {}
 
+    def key(self, i: int) -> ChunkKey:
+        return key(i)
+
     def teardown(self) -> None:
         self.store.close()
 
@@ -56,7 +60,7 @@ class StoreMachine(RuleBasedStateMachine):
         length = length_of(family * 100)
         ids = list(range(family * 100 + first, family * 100 + first + n))
         data = np.concatenate([value(i, length) for i in ids])
-        r = self.store.put([key(i) for i in ids], data).result()
+        r = self.store.put([self.key(i) for i in ids], data).result()
         assert r.stored + r.present + r.rejected + r.failed == n
         assert r.failed == 0
         for i in ids:
@@ -66,7 +70,7 @@ class StoreMachine(RuleBasedStateMachine):
     def get(self, first: int, n: int, family: int) -> None:
         ids = list(range(family * 100 + first, family * 100 + first + n))
         dst = np.zeros(n * SLOT, dtype=np.uint8)
-        r = self.store.get([key(i) for i in ids], dst).result()
+        r = self.store.get([self.key(i) for i in ids], dst).result()
         pos = 0
         for j in range(r.chunks):
             i = ids[j]
@@ -78,20 +82,20 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(first=st.integers(0, 45), n=st.integers(1, 10))
     def lookup_is_a_prefix(self, first: int, n: int) -> None:
-        keys = [key(i) for i in range(first, first + n)]
+        keys = [self.key(i) for i in range(first, first + n)]
         res = self.store.lookup(keys)
         assert 0 <= res.hits <= n
         assert len(res.tiers) == res.hits
 
     @rule(i=st.integers(0, 45))
     def delete(self, i: int) -> None:
-        self.store.delete([key(i)])
+        self.store.delete([self.key(i)])
         self.store.flush()
-        assert self.store.lookup([key(i)]).hits == 0
+        assert self.store.lookup([self.key(i)]).hits == 0
 
     @rule(i=st.integers(0, 45))
     def pin(self, i: int) -> None:
-        if self.store.pin([key(i)]):
+        if self.store.pin([self.key(i)]):
             self.pinned[i] = self.pinned.get(i, 0) + 1
 
     @precondition(lambda self: bool(self.pinned))
@@ -99,8 +103,8 @@ class StoreMachine(RuleBasedStateMachine):
     def pinned_survive_then_unpin(self, data: st.DataObject) -> None:
         i = data.draw(st.sampled_from(sorted(self.pinned)))
         # A pinned chunk is never evicted or moved away (unless deleted explicitly).
-        if self.store.lookup([key(i)]).hits:
-            self.store.unpin([key(i)])
+        if self.store.lookup([self.key(i)]).hits:
+            self.store.unpin([self.key(i)])
         self.pinned[i] -= 1
         if not self.pinned[i]:
             del self.pinned[i]
@@ -112,5 +116,45 @@ class StoreMachine(RuleBasedStateMachine):
             assert 0 <= t.used_bytes <= t.capacity_bytes
 
 
+# Quotas: two tenants take turns by key; "a" is limited in both tiers, "b" only in the
+# top one, so a's chunks go down or away while b's fill the rest.
+QUOTAS = {"a": {0: 2 * SLOT, 1: 3 * SLOT}, "b": {0: 3 * SLOT}}
+
+
+class QuotaStoreMachine(StoreMachine):
+    """The same rules with tenants and quotas: also, no tenant's bytes ever pass its
+    quota in any tier, whatever ran before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        tiers = list(self.store.tiers)
+        self.store.close()
+        for t in tiers:
+            t.close()
+        top = HostTier(
+            TierGeometry("top", 6 * SLOT, SLOT, 1 << 20), Options(pin=Switch.OFF, prefault=False)
+        )
+        low = CXLTier(
+            TierGeometry("low", 10 * SLOT, SLOT, 1 << 20),
+            CXLOptions(emulate=Switch.ON, latency_us=0.0, bandwidth_gbps=1000.0, pin=Switch.OFF),
+        )
+        self.store = TieredStore([top, low], io_threads=3, quotas=Quotas(QUOTAS, {}))
+
+    def key(self, i: int) -> ChunkKey:
+        return tag_key(bytes(4) + i.to_bytes(12, "little"), tenant_tag("a" if i % 2 else "b"))
+
+    @invariant()
+    def within_quotas(self) -> None:
+        self.store.flush()
+        names = {"top": 0, "low": 1}
+        for (tenant, tier), used in self.store.quota_use().items():
+            limit = QUOTAS[tenant].get(names[tier])
+            assert limit is None or used <= limit, (tenant, tier, used, limit)
+
+
 StoreMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 TestStoreMachine = StoreMachine.TestCase
+QuotaStoreMachine.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=30, deadline=None
+)
+TestQuotaStoreMachine = QuotaStoreMachine.TestCase

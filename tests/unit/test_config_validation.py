@@ -34,6 +34,9 @@ def _raw(**tier: object) -> dict[str, object]:
         ({"overrides": ["tiers.100000000.kind=host"]}, "--set tiers.100000000.kind"),
         ({"overrides": ["tiers.0.name=../escaped"]}, "tiers.0.name"),
         ({"overrides": ["tiers.0.name=a/b"]}, "tiers.0.name"),
+        ({"overrides": ["tenants.quotas.alice.ssd=1GiB"]}, "tenants.quotas.alice.ssd"),
+        ({"overrides": ["tenants.quotas.Alice!.host=1GiB"]}, "tenants.quotas.Alice!"),
+        ({"overrides": ["tenants.default_quota.host=lots"]}, "tenants.default_quota.host"),
     ],
 )
 def test_bad_values_are_config_errors_naming_the_key(kwargs: dict, key: str) -> None:
@@ -42,6 +45,18 @@ def test_bad_values_are_config_errors_naming_the_key(kwargs: dict, key: str) -> 
         load_config(**kwargs)
     assert info.value.key == key
     assert "\n" not in str(info.value)
+
+
+def test_quotas_by_tier_position() -> None:
+    cfg = load_config(
+        env={
+            "KVTIER_TENANTS__QUOTAS__ALICE__HOST": "2GiB",
+            "KVTIER_TENANTS__DEFAULT_QUOTA__HOST": "1GiB",
+        }
+    )
+    assert cfg.tenants.enabled
+    assert cfg.tenants.limits(["host"]) == ({"alice": {0: 2 << 30}}, {0: 1 << 30})
+    assert not load_config(env={}).tenants.enabled
 
 
 def test_key_salt_that_is_a_directory_is_a_config_error(tmp_path: Path) -> None:

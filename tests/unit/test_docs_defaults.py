@@ -46,6 +46,8 @@ SECTIONS: dict[str, tuple[Any, set[str]]] = {
     "## `[store]`": (DEFAULT.store, set()),
     "## `[service]`": (DEFAULT.service, set()),
     "## `[placement]`": (DEFAULT.placement, set()),
+    "## `[tenants]`": (DEFAULT.tenants, set()),
+    "## `[encryption]`": (DEFAULT.encryption, set()),
     '### `kind = "host"`': ("host", set()),
     '### `kind = "cxl"`': ("cxl", set()),
     '### `kind = "gpu"`': ("gpu", set()),

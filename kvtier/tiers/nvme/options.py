@@ -65,6 +65,9 @@ class Options:
     codec: Codec = Codec.NONE
     # Store a chunk compressed only when raw/compressed is at least this.
     codec_min_ratio: float = 1.1
+    # Master key file (mode 0600) that seals every chunk with AES-256-GCM, a key per
+    # tenant (kvtier.crypto). Empty: chunks in clear. Usually set by [encryption].
+    encryption_key_file: str = ""
 
 
 __all__ = ["Codec", "Durability", "EngineKind", "Options"]

@@ -50,6 +50,7 @@ import xxhash
 from typing_extensions import override
 
 from kvtier import codec as kvcodec
+from kvtier.crypto import check_key_file, cipher_of
 from kvtier.enums import Switch
 from kvtier.errors import ClosedError, ConfigError, CorruptChunkError, TierIOError
 from kvtier.files import DIR_MODE, FILE_MODE, make_private, make_private_dirs
@@ -165,6 +166,7 @@ class NVMeTier(PersistentTier):
             )
         if opts.codec is not Codec.NONE:
             kvcodec.require(self.name)
+        self._cipher = cipher_of(opts.encryption_key_file, f"tiers.{self.name}")
         dirs = _dirs(self.name, opts)
         self._bufs = BufferPool()
         self._meta: dict[int, Entry] = {}
@@ -192,6 +194,7 @@ class NVMeTier(PersistentTier):
             index_dir.mkdir(mode=DIR_MODE, exist_ok=True)
             make_private(index_dir)
             self._lock_fd = _lock_dir(index_dir, self.name)
+            check_key_file(index_dir / "key_check", self._cipher, f"tiers.{self.name}")
             self._journal = Journal(
                 index_dir,
                 Geometry(self.slot_bytes, self.capacity_slots),
@@ -476,7 +479,8 @@ class NVMeTier(PersistentTier):
     @override
     def _write(self, run: SlotRun, src: memoryview) -> None:
         self._check_open()
-        pieces = self._pieces(run, self.options.codec is not Codec.NONE)
+        use_codec = self.options.codec is not Codec.NONE or self._cipher is not None
+        pieces = self._pieces(run, use_codec)
         self._check_slabs({p[0] for p in pieces})
         for f, off, _, m in pieces:
             if off + m * self.slot_bytes > self._reserved[f]:
@@ -486,8 +490,6 @@ class NVMeTier(PersistentTier):
         sums = [0] * run.n
         stored = [vb] * run.n
         codecs = [kvcodec.RAW] * run.n
-        use_codec = self.options.codec is not Codec.NONE
-        min_ratio = self.options.codec_min_ratio
         reqs = []
         streamed: list[tuple[int, int, PieceSums]] = []
         for f, off, j, m in pieces:
@@ -496,7 +498,7 @@ class NVMeTier(PersistentTier):
                 # Compression runs on the engine threads, one chunk per transfer; the
                 # transfer's size is known only once the chunk is encoded.
                 req = IORequest(f, off, 0, release=self._release_buf)
-                req.prepare = self._encoder(req, chunk, j, sums, stored, codecs, min_ratio)
+                req.prepare = self._encoder(req, chunk, j, run.keys[j], sums, stored, codecs)
                 reqs.append(req)
                 continue
             direct_ok = vb == sb and (not self.engine.direct[f] or is_aligned(chunk))
@@ -575,12 +577,13 @@ class NVMeTier(PersistentTier):
                 )
         out = np.frombuffer(dst, dtype=np.uint8)
         reqs = []
-        # Chunks stored encoded (by this run or an earlier one with a codec) move one by one.
-        encoded = any(e is not None and e.codec != kvcodec.RAW for e in metas)
+        # Chunks stored encoded (by this run or an earlier one with a codec) move one by
+        # one, and every chunk does under encryption (one stored in clear is refused).
+        encoded = self._cipher is not None or any(e and e.codec != kvcodec.RAW for e in metas)
         for f, off, j, m in self._pieces(run, encoded):
             group = metas[j : j + m]
             target = out[j * vb : (j + m) * vb]
-            if group[0] is not None and group[0].codec != kvcodec.RAW:
+            if group[0] is not None and (group[0].codec != kvcodec.RAW or self._cipher):
                 e0 = group[0]
                 nbytes = align_up(e0.stored_bytes, PAGE)
                 reqs.append(
@@ -646,18 +649,22 @@ class NVMeTier(PersistentTier):
         req: IORequest,
         chunk: npt.NDArray[Any],
         j: int,
+        key: bytes,
         sums: list[int],
         stored: list[int],
         codecs: list[int],
-        min_ratio: float,
     ) -> Any:
+        compress, ratio = self.options.codec is not Codec.NONE, self.options.codec_min_ratio
+
         def prepare() -> Any:
-            enc = kvcodec.encode(chunk, min_ratio=min_ratio)
-            payload = np.frombuffer(enc.payload, dtype=np.uint8)
-            stored[j], codecs[j], sums[j] = payload.nbytes, enc.codec, _sum(payload)
-            req.nbytes = align_up(payload.nbytes, PAGE)
-            buf = self._bufs.get(req.nbytes)
-            np.frombuffer(buf, dtype=np.uint8, count=payload.nbytes)[:] = payload
+            def into(n: int) -> Any:  # the transfer's buffer; never past the slot
+                if n > self.slot_bytes:
+                    raise TierIOError(f"nvme tier {self.name}: sealed chunk over its slot")
+                req.nbytes = align_up(n, PAGE)
+                return self._bufs.get(req.nbytes)
+
+            buf, n, codec = kvcodec.encode_stored(chunk, key, self._cipher, compress, ratio, into)
+            stored[j], codecs[j], sums[j] = n, codec, _sum(np.frombuffer(buf, np.uint8, n))
             return buf
 
         return prepare
@@ -672,7 +679,10 @@ class NVMeTier(PersistentTier):
                     " fails its checksum"
                 )
             try:
-                kvcodec.decode(e.codec, payload, target)
+                kvcodec.decode_stored(e.codec, payload, target, key=e.key, cipher=self._cipher)
+            except CorruptChunkError as exc:  # a sealed chunk whose tag fails
+                self._count("corrupt")
+                raise CorruptChunkError(f"nvme tier {self.name}: {e.key.hex()}: {exc}") from None
             except TierIOError as exc:  # encoded with a codec this install lacks: a miss
                 self._count("io_errors")
                 raise TierIOError(f"nvme tier {self.name}: chunk {e.key.hex()}: {exc}") from exc

@@ -45,6 +45,9 @@ class Options:
     fanout_threads: int = 8
     # Connections one node's part of a batch is spread over, in parallel.
     streams_per_node: int = 2
+    # Master key file (mode 0600) that seals every value with AES-256-GCM, a key per
+    # tenant (kvtier.crypto). Empty: values in clear. Usually set by [encryption].
+    encryption_key_file: str = ""
 
     def __post_init__(self) -> None:
         positive = (

@@ -28,6 +28,7 @@ from typing import Any
 from typing_extensions import override
 
 from kvtier import codec as kvcodec
+from kvtier.crypto import cipher_of
 from kvtier.errors import CorruptChunkError, TierIOError
 from kvtier.keys import ChunkKey, Namespace
 from kvtier.tiers.base import (
@@ -89,6 +90,7 @@ class RedisTier(SharedTier):
         self._compress = opts.codec == "lz4-shuffle"
         if self._compress:
             kvcodec.require(self.name)
+        self._cipher = cipher_of(opts.encryption_key_file, f"tiers.{self.name}")
         self._closed = False
         self.bind(namespace or Namespace("", "unbound", 0))
 
@@ -216,6 +218,7 @@ class RedisTier(SharedTier):
                         self._ns,
                         compress=self._compress,
                         width=self.options.codec_element_bytes,
+                        cipher=self._cipher,
                     )
                     pipe.set(names[i], value, px=self._px)
             results = pipe.execute(raise_on_error=False)
@@ -275,7 +278,7 @@ class RedisTier(SharedTier):
         if isinstance(value, Exception):
             return self._failed(value, reasons)
         try:
-            wire.decode_into(key, value, self._ns, dst)
+            wire.decode_into(key, value, self._ns, dst, self._cipher)
         except CorruptChunkError as exc:
             reasons.append(str(exc))
             return _R.CORRUPT

@@ -5,7 +5,8 @@ Layout (little-endian, 32 bytes of header)::
     offset size field
     0      2    magic        b"KV"
     2      1    version      FORMAT_VERSION
-    3      1    codec        0 = raw bytes; else a kvtier.codec id (lz4 byte-plane)
+    3      1    codec        0 = raw bytes; else a kvtier.codec id (lz4 byte-plane), with
+                             flag 0x80 when the payload is sealed (AES-256-GCM, kvtier.crypto)
     4      4    stored_len   payload bytes as stored (after the codec)
     8      8    namespace    xxh3-64 of (tenant, KV spec fingerprint): what the value belongs to
     16     8    raw_len      chunk bytes after decoding (the value the store asked to keep)
@@ -21,14 +22,19 @@ for whom" without moving the payload; :func:`parse_header` is what probes use.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
 
 from kvtier import codec as kvcodec
 from kvtier.errors import CorruptChunkError
+
+if TYPE_CHECKING:
+    from kvtier.crypto import Cipher
 
 MAGIC = b"KV"
 FORMAT_VERSION = 1
@@ -82,13 +88,20 @@ class Header:
 
 
 def encode(
-    key: bytes, payload: memoryview, namespace: int, *, compress: bool = False, width: int = 2
+    key: bytes,
+    payload: memoryview,
+    namespace: int,
+    *,
+    compress: bool = False,
+    width: int = 2,
+    cipher: Cipher | None = None,
 ) -> Framed:
     """One Redis value: header plus ``payload``, framed without copying a raw payload.
 
     With ``compress``, the chunk is tried with the lz4 byte-plane codec
     (:mod:`kvtier.codec`, ``width`` bytes per element) and kept raw when that does not
     pay. The checksum is over the raw bytes, so it also checks the codec's round trip.
+    With a ``cipher`` the (compressed) payload is then sealed for ``key``.
     """
     digest = checksum(key, payload)
     codec_id, body = CODEC_RAW, payload
@@ -96,6 +109,10 @@ def encode(
         enc = kvcodec.encode(np.frombuffer(payload, dtype=np.uint8), width=width)
         if enc.codec != kvcodec.RAW:
             codec_id, body = enc.codec, memoryview(enc.payload)
+    if cipher is not None:
+        sealed = bytearray(body.nbytes + cipher.overhead)
+        cipher.seal_into(key, body, memoryview(sealed))
+        codec_id, body = codec_id | kvcodec.SEALED, memoryview(sealed)
     head = _HEADER.pack(
         MAGIC, FORMAT_VERSION, codec_id, body.nbytes, namespace, payload.nbytes, digest
     )
@@ -115,19 +132,25 @@ def parse_header(value: bytes | memoryview, namespace: int) -> Header:
     if magic != MAGIC or version != FORMAT_VERSION:
         raise CorruptChunkError(f"bad magic/version {magic!r}/{version}")
     raw = codec == CODEC_RAW
-    if not (raw or codec & 0x0F == kvcodec.LZ4_SHUFFLE) or (raw and stored_len != raw_len):
+    base = codec & ~kvcodec.SEALED
+    if not (base == CODEC_RAW or base & 0x0F == kvcodec.LZ4_SHUFFLE) or (
+        raw and stored_len != raw_len
+    ):
         raise CorruptChunkError(f"unknown codec {codec} or lengths {stored_len}/{raw_len}")
     if ns != namespace:
         raise CorruptChunkError(f"value of namespace {ns:#x}, expected {namespace:#x}")
     return Header(codec, stored_len, ns, raw_len, digest)
 
 
-def decode_into(key: bytes, value: bytes, namespace: int, dst: memoryview) -> None:
+def decode_into(
+    key: bytes, value: bytes, namespace: int, dst: memoryview, cipher: Cipher | None = None
+) -> None:
     """Verify a whole value and copy its payload into ``dst`` (exactly its length).
 
     Raises:
-        CorruptChunkError: the header, the length or the checksum is wrong; ``dst``
-            may hold part of the payload.
+        CorruptChunkError: the header, the length, the checksum or a sealed value's tag
+            is wrong, or the value is sealed and there is no ``cipher`` (or in clear and
+            there is one); ``dst`` may hold part of the payload.
     """
     head = parse_header(value, namespace)
     if len(value) != HEADER_BYTES + head.stored_len:
@@ -136,6 +159,16 @@ def decode_into(key: bytes, value: bytes, namespace: int, dst: memoryview) -> No
     if head.raw_len != dst.nbytes:
         raise CorruptChunkError(f"value holds {head.raw_len} B, the slot expects {dst.nbytes}")
     payload = memoryview(value)[HEADER_BYTES:]
+    if bool(head.codec & kvcodec.SEALED) != (cipher is not None):
+        raise CorruptChunkError("sealed value without a key, or a value in clear")
+    if cipher is not None and head.codec == kvcodec.SEALED:  # raw bytes: opened into dst
+        cipher.open_into(key, payload, dst)
+        if checksum(key, dst) != head.checksum:
+            raise CorruptChunkError("checksum mismatch")
+        return
+    if cipher is not None:
+        payload = memoryview(cipher.open(key, payload))
+        head = Header(head.codec & ~kvcodec.SEALED, *dataclasses.astuple(head)[1:])
     if head.codec == CODEC_RAW:
         if checksum(key, payload) != head.checksum:
             raise CorruptChunkError("checksum mismatch")

@@ -1,0 +1,68 @@
+"""Quotas in the store: a tenant over its quota loses its own coldest chunks, down the
+tiers within its quota there, and never another tenant's."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtier.config import Switch
+from kvtier.keys import ChunkKey
+from kvtier.store import TieredStore
+from kvtier.store.quota import Quotas, tag_key, tenant_tag
+from kvtier.tiers.base import TierGeometry
+from kvtier.tiers.cxl import CXLTier
+from kvtier.tiers.cxl import Options as CXLOptions
+from kvtier.tiers.host import HostTier, Options
+
+SLOT = 4096
+
+
+def key(tenant: str, i: int) -> ChunkKey:
+    return tag_key(bytes(4) + i.to_bytes(12, "little"), tenant_tag(tenant))
+
+
+def store(quotas: Quotas | None) -> TieredStore:
+    top = HostTier(
+        TierGeometry("top", 8 * SLOT, SLOT, 1 << 20), Options(pin=Switch.OFF, prefault=False)
+    )
+    low = CXLTier(
+        TierGeometry("low", 8 * SLOT, SLOT, 1 << 20),
+        CXLOptions(emulate=Switch.ON, latency_us=0.0, bandwidth_gbps=1000.0, pin=Switch.OFF),
+    )
+    return TieredStore([top, low], io_threads=2, promote_on_hit=False, quotas=quotas)
+
+
+def test_over_its_quota_a_tenant_demotes_then_drops_its_own_coldest() -> None:
+    s = store(Quotas({"a": {0: 2 * SLOT, 1: 3 * SLOT}}, {}))
+    try:
+        value = np.ones(SLOT, dtype=np.uint8)
+        for i in range(6):
+            assert s.put([key("b", i)], value).result().stored == 1
+        for i in range(20):
+            assert s.put([key("a", i)], value).result().stored == 1
+        s.flush()
+        assert s.quota_use() == {
+            ("a", "top"): 2 * SLOT,
+            ("a", "low"): 3 * SLOT,
+            (f"{int.from_bytes(tenant_tag('b'), 'big'):08x}", "top"): 6 * SLOT,
+        }
+        # a's newest two on top, the three before them below, the rest gone.
+        where = [s.lookup([key("a", i)]).tiers for i in range(20)]
+        assert where[18:] == [("top",), ("top",)]
+        assert where[15:18] == [("low",)] * 3
+        assert where[:15] == [()] * 15
+        # b, unlimited, written first and so the coldest, is all still on top.
+        assert [s.lookup([key("b", i)]).tiers for i in range(6)] == [("top",)] * 6
+    finally:
+        s.close()
+
+
+def test_a_run_longer_than_the_quota_keeps_its_head_on_top() -> None:
+    s = store(Quotas({}, {0: 2 * SLOT}))
+    try:
+        keys = [key("c", i) for i in range(5)]
+        r = s.put(keys, np.ones(5 * SLOT, dtype=np.uint8)).result()
+        assert r.stored == 5
+        assert s.lookup(keys).tiers == ("top", "top", "low", "low", "low")
+    finally:
+        s.close()
