@@ -377,32 +377,29 @@ class Mover:
         tier = self.tiers[t]
         if n > tier.capacity_slots:
             return False
-        for _ in range(_MAKE_ROOM_ROUNDS):
-            ev = self.index.prepare_eviction(t, n)
-            if ev is Room.FREE:
-                return True
-            if ev is Room.SHORT:
-                return False
-            if ev is Room.DROPPED:
-                continue
-            self._demote(t, ev)
-        return tier.free_slots >= n
+        done = self._evict_rounds(t, lambda: self.index.prepare_eviction(t, n))
+        return tier.free_slots >= n if done is None else done
 
     def quota_room(self, t: int, tag: int, nbytes: int) -> bool:
         """Make ``nbytes`` fit in tenant ``tag``'s quota in tier ``t`` by demoting or
         dropping its own coldest chunks there, and reserve them (give them back with
         :meth:`StoreIndex.release_quota`). False, reserving nothing, when they cannot fit.
         No lock held."""
+        return bool(self._evict_rounds(t, lambda: self.index.prepare_quota(t, tag, nbytes)))
+
+    def _evict_rounds(self, t: int, prepare: Callable[[], Room | Eviction]) -> bool | None:
+        """Rounds of ``prepare`` (an index verb that claims victims in tier ``t``), each
+        claim demoted: True once there is room, False when there cannot be, None when
+        the rounds ran out (other threads kept taking the room)."""
         for _ in range(_MAKE_ROOM_ROUNDS):
-            ev = self.index.prepare_quota(t, tag, nbytes)
+            ev = prepare()
             if ev is Room.FREE:
                 return True
             if ev is Room.SHORT:
                 return False
-            if ev is Room.DROPPED:
-                continue
-            self._demote(t, ev)
-        return False
+            if ev is not Room.DROPPED:
+                self._demote(t, ev)
+        return None
 
     def _demote(self, t: int, ev: Eviction) -> None:
         """Move the victims of tier ``t`` claimed by ``ev`` down to its target, each
