@@ -221,8 +221,7 @@ class DataPlaneProtocol(HttpToolsProtocol):
         head = Head.read(self.headers)
         if not head.plain:
             return None  # the gate's or the parser's business
-        route = GET_CHUNK if method == "GET" else PUT_CHUNK
-        verdict = core.admit(method, route.path(key), head)
+        verdict = core.admit_route(GET_CHUNK if method == "GET" else PUT_CHUNK, head)
         if not isinstance(verdict, Admitted) or verdict.tenant is None:
             return None
         return verdict.tenant, head, key
@@ -240,7 +239,7 @@ class DataPlaneProtocol(HttpToolsProtocol):
         if got is NOT_NOW:
             return False
         if isinstance(got, Answer):
-            core.observe("GET", got, t0, 0)
+            core.observe("GET", got.status, len(got.body), t0, 0)
             self._write(got)
             return True
         self._send_held(core, got, t0)
@@ -249,7 +248,7 @@ class DataPlaneProtocol(HttpToolsProtocol):
     def _send_held(self, core: RequestCore, held: HeldValue, t0: float) -> None:
         """A 200 sent straight from the tier's slot, held until sent or copied."""
         try:
-            core.observe("GET", Answer(200, held.view), t0, 0)
+            core.observe("GET", 200, held.view.nbytes, t0, 0)
             self._send_borrowed(200, _OCTET, held.view)
         except Exception:  # maybe after part of a 200 went out: the connection ends
             log.exception("a data-plane answer failed while it was sent")
