@@ -179,6 +179,9 @@ class ServiceConfig:
     socket: str = "auto"
     # Largest shared-memory region one same-host client may hand the daemon to map.
     socket_max_region_bytes: int = 1 * GiB
+    # Seconds a same-host connection may take to authenticate (its HELLO with a valid
+    # token); slower: closed, so idle connections cannot hold every slot.
+    socket_auth_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -553,6 +556,10 @@ def _validate_service(s: ServiceConfig) -> None:
         raise ConfigError("service.max_header_bytes", s.max_header_bytes, "a size in [1KiB, 16MiB]")
     if not 0 < s.header_timeout_s <= 3600:
         raise ConfigError("service.header_timeout_s", s.header_timeout_s, "seconds in (0, 3600]")
+    if not 0 < s.socket_auth_timeout_s <= 3600:
+        raise ConfigError(
+            "service.socket_auth_timeout_s", s.socket_auth_timeout_s, "seconds in (0, 3600]"
+        )
 
 
 def build_dataclass(cls: type[T], raw: Mapping[str, Any], where: str) -> T:
