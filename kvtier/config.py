@@ -182,6 +182,10 @@ class ServiceConfig:
     # Seconds a same-host connection may take to authenticate (its HELLO with a valid
     # token); slower: closed, so idle connections cannot hold every slot.
     socket_auth_timeout_s: float = 10.0
+    # TLS on the HTTP listener: a PEM certificate chain and its private key (both, or
+    # neither). Set, the daemon speaks HTTPS only.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -560,6 +564,9 @@ def _validate_service(s: ServiceConfig) -> None:
         raise ConfigError(
             "service.socket_auth_timeout_s", s.socket_auth_timeout_s, "seconds in (0, 3600]"
         )
+    if bool(s.tls_cert_file) != bool(s.tls_key_file):
+        missing = "service.tls_key_file" if s.tls_cert_file else "service.tls_cert_file"
+        raise ConfigError(missing, "", "set too: TLS takes a certificate and its key")
 
 
 def build_dataclass(cls: type[T], raw: Mapping[str, Any], where: str) -> T:

@@ -106,9 +106,13 @@ class DataPlaneProtocol(HttpToolsProtocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._put: tuple[ChunkPut, _Into] | None = None
         self._closing = False
+        self._plain_socket = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # Whether an answer may be written straight to the socket: not under TLS, where
+        # the socket carries records only the transport may write.
+        self._plain_socket = transport.get_extra_info("ssl_object") is None
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -284,7 +288,7 @@ class DataPlaneProtocol(HttpToolsProtocol):
             self._answered()
             return
         head = self._head_bytes_of(status, headers, view.nbytes)
-        sock = self.transport.get_extra_info("socket")
+        sock = self.transport.get_extra_info("socket") if self._plain_socket else None
         sent = 0
         if sock is not None and self.transport.get_write_buffer_size() == 0:
             try:
