@@ -8,7 +8,7 @@ that memory (:mod:`kvtier.service.shm_wire`); the bytes never cross the socket, 
 store copies them once: a put from the client's mapping into a tier, a get from a tier
 into the client's mapping.
 
-Security, as strong as HTTP's (issue 15: "a client only ever maps memory meant for it"):
+Security, as strong as HTTP's (a client only ever maps memory meant for it):
 
 * the daemon maps only descriptors a client sent on its own connection, and a region
   id names a mapping of that connection only; the daemon never hands out its memory;
@@ -202,11 +202,11 @@ class _Mappings:
                 return _Region(m, memoryview(m.mm), self)
         mm = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         # The page tables are filled now, off every request's clock: a store's first
-        # write into a lazily mapped shared page faults, one 4 KiB page at a time (a
-        # 64 MiB read from the page cache into fresh pages: 26 ms, into populated ones
-        # 12 ms). Only when the client has allocated all its memory (as kvtier's client
-        # does): mapping never makes the daemon allocate the holes of a sparse memfd.
-        # Outside the lock: populating 1 GiB takes 0.1-0.3 s on the VM.
+        # write into a lazily mapped shared page faults, one 4 KiB page at a time
+        # (docs/architecture.md, "Memory that is already faulted in"). Only when the
+        # client has allocated all its memory (as kvtier's client does): mapping never
+        # makes the daemon allocate the holes of a sparse memfd. Outside the lock:
+        # populating a large region takes long enough to hold up other connections.
         if st.st_blocks * 512 >= st.st_size:
             populate(mm)
         with self._lock:
