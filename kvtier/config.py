@@ -179,6 +179,13 @@ class ServiceConfig:
     socket: str = "auto"
     # Largest shared-memory region one same-host client may hand the daemon to map.
     socket_max_region_bytes: int = 1 * GiB
+    # Seconds a same-host connection may take to authenticate (its HELLO with a valid
+    # token); slower: closed, so idle connections cannot hold every slot.
+    socket_auth_timeout_s: float = 10.0
+    # TLS on the HTTP listener: a PEM certificate chain and its private key (both, or
+    # neither). Set, the daemon speaks HTTPS only.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -553,6 +560,13 @@ def _validate_service(s: ServiceConfig) -> None:
         raise ConfigError("service.max_header_bytes", s.max_header_bytes, "a size in [1KiB, 16MiB]")
     if not 0 < s.header_timeout_s <= 3600:
         raise ConfigError("service.header_timeout_s", s.header_timeout_s, "seconds in (0, 3600]")
+    if not 0 < s.socket_auth_timeout_s <= 3600:
+        raise ConfigError(
+            "service.socket_auth_timeout_s", s.socket_auth_timeout_s, "seconds in (0, 3600]"
+        )
+    if bool(s.tls_cert_file) != bool(s.tls_key_file):
+        missing = "service.tls_key_file" if s.tls_cert_file else "service.tls_cert_file"
+        raise ConfigError(missing, "", "set too: TLS takes a certificate and its key")
 
 
 def build_dataclass(cls: type[T], raw: Mapping[str, Any], where: str) -> T:

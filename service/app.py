@@ -96,7 +96,9 @@ def _lifespan(core: RequestCore, cfg: KVTierConfig) -> Any:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        d.same_host = SameHostServer.start(core, s.socket, s.socket_max_region_bytes)
+        d.same_host = SameHostServer.start(
+            core, s.socket, s.socket_max_region_bytes, s.socket_auth_timeout_s
+        )
         d.ready = True
         log.info(
             "kvtier daemon ready: %d tier(s), values up to %d B, %s",

@@ -3,8 +3,8 @@
 A GET copies its hit into a buffer that becomes the response body. Allocated fresh, a
 buffer of a whole chunk (32 MiB for Llama-3-8B, the default value size) is a new
 ``mmap`` from glibc every time (it serves 32 MiB and more that way), and every page of it
-faults on the first write: filling a fresh 32 MiB buffer took 6-12 ms on the project's
-VM against 3-7 ms for one already faulted in. Smaller buffers come from the heap and
+faults on the first write, which costs more than filling one already faulted in
+(docs/benchmarks.md). Smaller buffers come from the heap and
 are cheap; the pool still serves them, since taking one is cheaper than either.
 
 A buffer returns to the pool only when the last object that can reach its bytes is gone

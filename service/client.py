@@ -30,6 +30,7 @@ import asyncio
 import ipaddress
 import json
 import logging
+import ssl
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -44,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import override
 
-from kvtier.errors import InputError, TransportError
+from kvtier.errors import ConfigError, InputError, TransportError
 from kvtier.store.types import LookupResult, PutResult
 
 from . import protocol as p
@@ -118,6 +119,9 @@ class _Base(ABC, Generic[TransportT]):
             request goes through httpx and the same-host channel is off.
         same_host: use the same-host channel when the URL is loopback and the daemon
             offers one (False: HTTP only).
+        ca_file: PEM file of the certificate authorities an ``https://`` daemon's
+            certificate is verified against (a daemon with a self-signed certificate:
+            that certificate); None: the system's. The certificate is always verified.
     """
 
     def __init__(
@@ -134,6 +138,7 @@ class _Base(ABC, Generic[TransportT]):
         pool: int = 64,
         transport: TransportT | None = None,
         same_host: bool = True,
+        ca_file: str | None = None,
     ) -> None:
         if batch_keys < 1:
             raise InputError(f"batch_keys must be >= 1, got {batch_keys}")
@@ -144,6 +149,13 @@ class _Base(ABC, Generic[TransportT]):
         self.prefix_keys = prefix_keys
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        # https:// goes through httpx, which verifies the daemon's certificate with this.
+        self._verify: ssl.SSLContext | bool = True
+        if ca_file:
+            try:
+                self._verify = ssl.create_default_context(cafile=ca_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise ConfigError("ca_file", ca_file, f"a readable PEM file ({exc})") from None
         self._limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
         self._auth_line = b"".join(
             f"{k}: {v}\r\n".encode("latin-1") for k, v in self._headers.items()
@@ -451,7 +463,11 @@ class Client(_Base[httpx.BaseTransport]):
                 timeout_s=self._timeout.read or 30.0,
             )
         self._http = httpx.Client(
-            base_url=self.url, timeout=self._timeout, limits=self._limits, transport=transport
+            base_url=self.url,
+            timeout=self._timeout,
+            limits=self._limits,
+            transport=transport,
+            verify=self._verify,
         )
 
     def _send(self, call: Call) -> Reply:
@@ -625,7 +641,11 @@ class AsyncClient(_Base[httpx.AsyncBaseTransport]):
     @override
     def _open(self, transport: httpx.AsyncBaseTransport | None) -> None:
         self._http = httpx.AsyncClient(
-            base_url=self.url, timeout=self._timeout, limits=self._limits, transport=transport
+            base_url=self.url,
+            timeout=self._timeout,
+            limits=self._limits,
+            transport=transport,
+            verify=self._verify,
         )
         self._threads: ThreadPoolExecutor | None = None
         self._connecting: asyncio.Lock | None = None

@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -46,7 +46,15 @@ from kvtier.store.types import GetResult, LookupResult, PutResult
 from . import wire
 from .daemon import INLINE_GET_BYTES, Daemon
 from .errors import ApiError, ErrorReply, reply_for
-from .routes.table import BATCH_PUT, CHUNK_TEMPLATE, BodyLimit, protected, route_of
+from .routes.table import (
+    BATCH_PUT,
+    CHUNK_TEMPLATE,
+    ROUTES,
+    BodyLimit,
+    Route,
+    protected,
+    route_of,
+)
 from .tenants import Tenant
 
 log = logging.getLogger(__name__)
@@ -80,9 +88,11 @@ class Answer:
     headers: tuple[tuple[bytes, bytes], ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class Head:
+class Head(NamedTuple):
     """What the core reads of a request's headers (names lower-case, as servers give them).
+
+    A named tuple rather than a frozen dataclass: every request builds one, and a tuple is
+    built without a ``__setattr__`` call per field.
 
     Attributes:
         auth: the ``Authorization`` value (the last one, when several were sent).
@@ -91,6 +101,8 @@ class Head:
         bad_length: a ``Content-Length`` that is not a number of bytes.
         length_headers: how many ``Content-Length`` headers were sent.
         chunked: a ``Transfer-Encoding`` was sent.
+        plain: one token header at most, one well-formed length at most, no chunked
+            body: nothing two layers could read differently.
     """
 
     auth: bytes | None = None
@@ -99,6 +111,7 @@ class Head:
     bad_length: bool = False
     length_headers: int = 0
     chunked: bool = False
+    plain: bool = True
 
     @classmethod
     def read(cls, headers: Iterable[tuple[bytes, bytes]]) -> Head:
@@ -121,18 +134,11 @@ class Head:
                     bad = bad or length < 0
             elif name == b"transfer-encoding":
                 chunked = True
-        return cls(auth, n_auth, length, bad, n_length, chunked)
+        plain = n_auth <= 1 and n_length <= 1 and not bad and not chunked
+        return _new_head(cls, (auth, n_auth, length, bad, n_length, chunked, plain))
 
-    @property
-    def plain(self) -> bool:
-        """One token header at most, one well-formed length at most, no chunked body:
-        nothing two layers could read differently."""
-        return (
-            self.auth_headers <= 1
-            and self.length_headers <= 1
-            and not self.bad_length
-            and not self.chunked
-        )
+
+_new_head = tuple.__new__
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +154,19 @@ class Admitted:
     tenant: Tenant | None
     limit_bytes: int
     setting: str
+
+
+class _Rule:
+    """What admission checks of one route, decided when the core is built."""
+
+    __slots__ = ("by_tenant", "limit_bytes", "needs_token", "open", "setting")
+
+    def __init__(self, needs_token: bool, limit_bytes: int, setting: str) -> None:
+        self.needs_token = needs_token
+        self.limit_bytes = limit_bytes
+        self.setting = setting
+        self.open = Admitted(None, limit_bytes, setting)
+        self.by_tenant: dict[str, Admitted] = {}  # tenant name -> its Admitted
 
 
 class RequestCore:
@@ -167,43 +186,74 @@ class RequestCore:
                 _JSON_SLACK_BYTES + _JSON_BYTES_PER_KEY * lim.max_batch_keys, lim.max_body_bytes
             ),
         }
+        # Each route's admission is decided here once, not per request: whether it needs
+        # a token, its body limit, and the Admitted answers it gives (one per tenant).
+        self._rules = {(r.method, r.template): self._rule(r.protected, r.body) for r in ROUTES}
+        self._unrouted = {  # paths the table does not have: the gate answers them
+            (needs_token, kind): self._rule(needs_token, kind)
+            for needs_token in (False, True)
+            for kind in (BodyLimit.BATCH, BodyLimit.KEYS)
+        }
+
+    def _rule(self, needs_token: bool, kind: BodyLimit) -> _Rule:
+        return _Rule(needs_token, self._limits[kind], kind.value)
 
     # -- admission ---------------------------------------------------------------------------
 
     def tenant(self, authorization: bytes | str | None) -> Tenant | None:
         """The tenant an ``Authorization`` value names; None: refused."""
-        if isinstance(authorization, bytes):
-            authorization = authorization.decode("latin-1")
-        return self.d.auth.authenticate(authorization)
+        if isinstance(authorization, str):
+            return self.d.auth.authenticate(authorization)
+        return self.d.auth.authenticate_header(authorization)
 
     def body_limit(self, method: str, path: str) -> tuple[int, str]:
         """The largest body a request to ``path`` may send, and the setting that says so."""
+        rule = self._rule_of(method, path)
+        return rule.limit_bytes, rule.setting
+
+    def _rule_of(self, method: str, path: str) -> _Rule:
         route = route_of(method, path)
-        kind = route.body if route is not None else BodyLimit.KEYS
-        if route is None and path == BATCH_PUT.template:  # any method: the same bound
-            kind = BodyLimit.BATCH
-        return self._limits[kind], kind.value
+        if route is not None:
+            return self._rules[route.method, route.template]
+        # Any method on the batch put's path has the same bound.
+        kind = BodyLimit.BATCH if path == BATCH_PUT.template else BodyLimit.KEYS
+        return self._unrouted[protected(path), kind]
 
     def admit(self, method: str, path: str, head: Head) -> Admitted | ErrorReply:
         """Checks on a request's head, before one body byte is read: one token header at
         most (400), a numeric length (400), a known token where one is needed (401), a
         declared length within the route's limit (413)."""
-        if head.auth_headers > 1:
+        return self._admit(self._rule_of(method, path), head)
+
+    def admit_route(self, route: Route, head: Head) -> Admitted | ErrorReply:
+        """:meth:`admit` for a request whose route the front end already knows (a path
+        that :func:`~kvtier.service.routes.table.route_of` maps to ``route``)."""
+        return self._admit(self._rules[route.method, route.template], head)
+
+    def _admit(self, rule: _Rule, head: Head) -> Admitted | ErrorReply:
+        auth, auth_headers, length, bad_length, _, _, _ = head
+        if auth_headers > 1:
             return ErrorReply(
                 400, "duplicate_authorization", "send one Authorization header, not several"
             )
-        if head.bad_length:
+        if bad_length:
             return ErrorReply(400, "bad_length", "Content-Length is not a number")
         tenant = None
-        if protected(path):
-            tenant = self.tenant(head.auth)
+        if rule.needs_token:
+            tenant = self.d.auth.authenticate_header(auth)
             if tenant is None:
                 return unauthorized()
-        limit, setting = self.body_limit(method, path)
-        if head.length is not None and head.length > limit:
-            what = f"body of {head.length} B; the limit is {limit} B ({setting})"
+        if length is not None and length > rule.limit_bytes:
+            what = f"body of {length} B; the limit is {rule.limit_bytes} B ({rule.setting})"
             return ErrorReply(413, "body_too_large", what)
-        return Admitted(tenant, limit, setting)
+        if tenant is None:
+            return rule.open
+        admitted = rule.by_tenant.get(tenant.name)
+        if admitted is None:
+            admitted = rule.by_tenant[tenant.name] = Admitted(
+                tenant, rule.limit_bytes, rule.setting
+            )
+        return admitted
 
     # -- one chunk ---------------------------------------------------------------------------
 
@@ -403,13 +453,12 @@ class RequestCore:
 
     # -- metrics -----------------------------------------------------------------------------
 
-    def observe(self, method: str, answer: Answer, t0: float, nin: int) -> None:
-        """Count a one-chunk answer the data plane gave, as the ASGI app's metrics count
-        the others (same series, same labels)."""
+    def observe(self, method: str, status: int, nout: int, t0: float, nin: int) -> None:
+        """Count a one-chunk answer the data plane gave (``status``, ``nout`` body bytes),
+        as the ASGI app's metrics count the others (same series, same labels)."""
         m = self.d.metrics
         m.direct += 1
-        nout = len(answer.body)
-        m.observe(CHUNK_TEMPLATE, method, answer.status, time.perf_counter() - t0, nin, nout)
+        m.observe(CHUNK_TEMPLATE, method, status, time.perf_counter() - t0, nin, nout)
 
 
 class ChunkPut:
@@ -441,7 +490,8 @@ class ChunkPut:
             answer = error_answer(known)
         finally:
             self._end()
-        self._core.observe("PUT", answer, self._t0, self.view.nbytes if filled else 0)
+        nin = self.view.nbytes if filled else 0
+        self._core.observe("PUT", answer.status, len(answer.body), self._t0, nin)
         return answer
 
     def abort(self) -> None:
@@ -461,8 +511,19 @@ class ChunkPut:
 
 
 def put_answer(res: PutResult) -> Answer:
-    body = {"stored": res.stored, "present": res.present, "rejected": res.rejected}
-    return Answer(200, json.dumps({**body, "failed": res.failed}).encode())
+    """A one-chunk PUT's answer. Its counts are 0 or 1, so there are few distinct
+    answers: each is built once (an Answer is immutable) rather than per request."""
+    counts = (res.stored, res.present, res.rejected, res.failed)
+    answer = _PUT_ANSWERS.get(counts)
+    if answer is None:
+        body = dict(zip(("stored", "present", "rejected", "failed"), counts, strict=True))
+        answer = Answer(200, json.dumps(body).encode())
+        if max(counts) <= 1:
+            _PUT_ANSWERS[counts] = answer
+    return answer
+
+
+_PUT_ANSWERS: dict[tuple[int, int, int, int], Answer] = {}
 
 
 def not_found(hex_key: str) -> Answer:

@@ -56,7 +56,8 @@ class SideChannel(Protocol):
 
 
 INLINE_GET_BYTES = 4 << 20
-"""Largest memory hit a GET copies on the event loop (a 4 MiB memcpy is ~0.5 ms)."""
+"""Largest memory hit a GET copies on the event loop: a copy this small costs less than
+handing it to an I/O thread and back."""
 
 
 T = TypeVar("T")

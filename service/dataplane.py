@@ -106,9 +106,13 @@ class DataPlaneProtocol(HttpToolsProtocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._put: tuple[ChunkPut, _Into] | None = None
         self._closing = False
+        self._plain_socket = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # Whether an answer may be written straight to the socket: not under TLS, where
+        # the socket carries records only the transport may write.
+        self._plain_socket = transport.get_extra_info("ssl_object") is None
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -221,8 +225,7 @@ class DataPlaneProtocol(HttpToolsProtocol):
         head = Head.read(self.headers)
         if not head.plain:
             return None  # the gate's or the parser's business
-        route = GET_CHUNK if method == "GET" else PUT_CHUNK
-        verdict = core.admit(method, route.path(key), head)
+        verdict = core.admit_route(GET_CHUNK if method == "GET" else PUT_CHUNK, head)
         if not isinstance(verdict, Admitted) or verdict.tenant is None:
             return None
         return verdict.tenant, head, key
@@ -240,7 +243,7 @@ class DataPlaneProtocol(HttpToolsProtocol):
         if got is NOT_NOW:
             return False
         if isinstance(got, Answer):
-            core.observe("GET", got, t0, 0)
+            core.observe("GET", got.status, len(got.body), t0, 0)
             self._write(got)
             return True
         self._send_held(core, got, t0)
@@ -249,7 +252,7 @@ class DataPlaneProtocol(HttpToolsProtocol):
     def _send_held(self, core: RequestCore, held: HeldValue, t0: float) -> None:
         """A 200 sent straight from the tier's slot, held until sent or copied."""
         try:
-            core.observe("GET", Answer(200, held.view), t0, 0)
+            core.observe("GET", 200, held.view.nbytes, t0, 0)
             self._send_borrowed(200, _OCTET, held.view)
         except Exception:  # maybe after part of a 200 went out: the connection ends
             log.exception("a data-plane answer failed while it was sent")
@@ -285,7 +288,7 @@ class DataPlaneProtocol(HttpToolsProtocol):
             self._answered()
             return
         head = self._head_bytes_of(status, headers, view.nbytes)
-        sock = self.transport.get_extra_info("socket")
+        sock = self.transport.get_extra_info("socket") if self._plain_socket else None
         sent = 0
         if sock is not None and self.transport.get_write_buffer_size() == 0:
             try:

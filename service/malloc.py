@@ -4,11 +4,10 @@ glibc serves an allocation above its mmap threshold with a fresh ``mmap`` and gi
 back with ``munmap`` on free; the threshold starts at 128 KiB and rises only after a
 larger mapped block is freed. Every body piece the HTTP server reads (64-256 KiB
 ``bytes``) and every value buffer above the threshold then costs a page fault per 4 KiB
-page, which on the project's VM made a 1 MiB PUT take 0.9-1.0 ms instead of 0.5-0.6
-(``kvtier bench daemon --sizes 1048576 --concurrency 1``, docs/benchmarks.md). The
-daemon fixes both thresholds at start-up instead of relying on what its first requests
-happen to free: blocks up to 32 MiB (glibc's largest allowed threshold) come from the
-heap and are reused, and up to 64 MiB of free heap top is kept before trimming.
+page, which costs more than moving the bytes (docs/architecture.md). The daemon fixes
+both thresholds at start-up instead of relying on what its first requests happen to
+free: blocks up to 32 MiB (glibc's largest allowed threshold) come from the heap and are
+reused, and up to 64 MiB of free heap top is kept before trimming.
 
 Other C libraries (musl) and other systems: nothing is changed, with a debug line.
 """

@@ -8,7 +8,7 @@ that memory (:mod:`kvtier.service.shm_wire`); the bytes never cross the socket, 
 store copies them once: a put from the client's mapping into a tier, a get from a tier
 into the client's mapping.
 
-Security, as strong as HTTP's (issue 15: "a client only ever maps memory meant for it"):
+Security, as strong as HTTP's (a client only ever maps memory meant for it):
 
 * the daemon maps only descriptors a client sent on its own connection, and a region
   id names a mapping of that connection only; the daemon never hands out its memory;
@@ -202,11 +202,11 @@ class _Mappings:
                 return _Region(m, memoryview(m.mm), self)
         mm = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         # The page tables are filled now, off every request's clock: a store's first
-        # write into a lazily mapped shared page faults, one 4 KiB page at a time (a
-        # 64 MiB read from the page cache into fresh pages: 26 ms, into populated ones
-        # 12 ms). Only when the client has allocated all its memory (as kvtier's client
-        # does): mapping never makes the daemon allocate the holes of a sparse memfd.
-        # Outside the lock: populating 1 GiB takes 0.1-0.3 s on the VM.
+        # write into a lazily mapped shared page faults, one 4 KiB page at a time
+        # (docs/architecture.md, "Memory that is already faulted in"). Only when the
+        # client has allocated all its memory (as kvtier's client does): mapping never
+        # makes the daemon allocate the holes of a sparse memfd. Outside the lock:
+        # populating a large region takes long enough to hold up other connections.
         if st.st_blocks * 512 >= st.st_size:
             populate(mm)
         with self._lock:
@@ -280,15 +280,22 @@ class SameHostServer:
         path: the socket's path (an existing file there is replaced).
         own_dir: a directory the server made for the socket and removes at close.
         max_region_bytes: the largest mapping a client may hand over.
+        auth_timeout_s: how long a connection may take to authenticate before it is closed.
 
     Raises:
         OSError: the socket cannot be bound.
     """
 
     def __init__(
-        self, core: RequestCore, path: Path, own_dir: Path | None, max_region_bytes: int
+        self,
+        core: RequestCore,
+        path: Path,
+        own_dir: Path | None,
+        max_region_bytes: int,
+        auth_timeout_s: float = 10.0,
     ) -> None:
         self.core = core
+        self.auth_timeout_s = auth_timeout_s
         self.d = d = core.d
         self.path = path
         self._own_dir = own_dir
@@ -317,14 +324,16 @@ class SameHostServer:
         self._acceptor.start()
 
     @classmethod
-    def start(cls, core: RequestCore, setting: str, max_region_bytes: int) -> SameHostServer | None:
+    def start(
+        cls, core: RequestCore, setting: str, max_region_bytes: int, auth_timeout_s: float = 10.0
+    ) -> SameHostServer | None:
         """The server ``service.socket`` asks for; None when off or when it cannot bind
         (logged: the daemon then serves HTTP only)."""
         try:
             where = socket_path(setting)
             if where is None:
                 return None
-            server = cls(core, where[0], where[1], max_region_bytes)
+            server = cls(core, where[0], where[1], max_region_bytes, auth_timeout_s)
         except (OSError, KVTierError) as exc:
             log.warning("same-host socket %r not available, serving HTTP only: %s", setting, exc)
             return None
@@ -384,22 +393,36 @@ class SameHostServer:
             if not self._peer_allowed(conn):
                 return
             tenant: Tenant | None = None
+            # Until it authenticates, a connection holds its slot only this long, however
+            # many messages it sends; then it is closed.
+            deadline = time.monotonic() + self.auth_timeout_s
             while not self._stop.is_set():
+                if tenant is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        log.debug("closing a same-host connection that did not authenticate")
+                        return
+                    conn.settimeout(left)
                 try:
                     msg, anc, flags, _ = conn.recvmsg(
                         self._max_request + 1,
                         socket.CMSG_SPACE(4),
                         socket.MSG_CMSG_CLOEXEC,
                     )
-                except OSError:
+                except OSError:  # TimeoutError too: no HELLO in time
                     return
-                if not msg:
-                    return  # the client closed (or died), or shutdown woke us
+                # Descriptors are ours from here on, whatever the message: an empty one
+                # (which also ends the connection) may carry them too.
                 fds = _fds(anc)
                 try:
+                    if not msg:
+                        return  # the client closed (or died), or shutdown woke us
                     if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
                         raise Refused(w.Status.TOO_LARGE, "frame or descriptors over the bound")
+                    authenticated = tenant is not None
                     tenant = self._handle(conn, msg, fds, tenant, regions)
+                    if not authenticated and tenant is not None:
+                        conn.settimeout(None)
                 except (Refused, KVTierError) as exc:
                     # A store failure (closing, a sync commit on a full disk) is the
                     # client's retryable error, as HTTP's 503; the connection stays.

@@ -83,8 +83,9 @@ class Region:
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
             # Populated here, so its pages are this process's memory, faulted once, and
             # the daemon sees a whole memfd it may populate too. ``populate`` lets the
-            # GIL go; MAP_POPULATE held it (0.1-0.3 s per GiB on the VM) and serves
-            # only kernels that refuse the advice (before 5.14).
+            # GIL go, so the host's other threads run meanwhile; MAP_POPULATE holds it
+            # for the whole populate, and serves only kernels that refuse the advice
+            # (before 5.14).
             prot = mmap.PROT_READ | mmap.PROT_WRITE
             self.mm = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED, prot)
             if not populate(self.mm):

@@ -1,8 +1,8 @@
 """A lean HTTP/1.1 transport for the sync client: httpx's API over ``http.client``.
 
-httpx's default transport (httpcore + h11, a pure-Python state machine) costs about a
-millisecond of CPU per request on a loaded 2-core host and reassembles bodies from
-64 KiB pieces. This transport keeps httpx's client API (timeouts, errors, streaming)
+httpx's default transport (httpcore + h11, a pure-Python state machine) costs more CPU
+per request than the daemon spends serving one, and reassembles bodies from 64 KiB
+pieces. This transport keeps httpx's client API (timeouts, errors, streaming)
 but moves bytes with ``http.client``: bodies are sent piece by piece with no join, and
 a response body of known length is read with one ``read`` into one buffer.
 

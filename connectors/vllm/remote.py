@@ -89,6 +89,7 @@ class RemoteStore:
             # One quick retry: a step must not wait out a long backoff.
             retry=RetryPolicy(retries=1, backoff_s=0.02, max_backoff_s=0.05),
             pool=4,
+            ca_file=settings.ca_file,
         )
         self._breaker = Breaker(settings.url, dropped="saves", refused=f"values of {chunk_bytes} B")
         self._staging: npt.NDArray[np.uint8] | None = None

@@ -7,7 +7,8 @@ Layering: embedded default, then the file, then the nested tables, then ``KVTIER
 environment variables, then the dotted keys. Both sides of vLLM load the same
 configuration from the same JSON, so they agree on chunk size and capacity.
 
-Daemon mode (remote.py): ``url``, ``token`` and ``daemon_timeout_s`` name a running
+Daemon mode (remote.py): ``url``, ``token``, ``daemon_timeout_s`` and ``ca_file`` (the
+CA certificates an ``https://`` daemon is verified against) name a running
 ``kvtier serve`` instead of an embedded store; ``prefill_wait_s`` bounds a consumer's
 wait for a named prefill (handoff.py); ``model_version`` names the weights (weights.py);
 ``async_loads`` says which loads run off the engine step. They are the connector's own
@@ -28,7 +29,8 @@ CONFIG_FILE_KEY = "config_file"
 URL_KEY = "url"
 TOKEN_KEY = "token"
 TIMEOUT_KEY = "daemon_timeout_s"
-DAEMON_KEYS = frozenset({URL_KEY, TOKEN_KEY, TIMEOUT_KEY})
+CA_FILE_KEY = "ca_file"
+DAEMON_KEYS = frozenset({URL_KEY, TOKEN_KEY, TIMEOUT_KEY, CA_FILE_KEY})
 PREFILL_WAIT_KEY = "prefill_wait_s"
 MODEL_VERSION_KEY = "model_version"
 ASYNC_LOADS_KEY = "async_loads"
@@ -114,11 +116,14 @@ class DaemonSettings:
         url: the daemon's base URL, e.g. ``http://127.0.0.1:8470``.
         token: bearer token of the tenant; None for a daemon without tokens (loopback).
         timeout_s: read/write timeout of one request, in seconds (connect: half of it).
+        ca_file: PEM file of the CAs an ``https://`` daemon's certificate is verified
+            against; None: the system's.
     """
 
     url: str
     token: str | None = None
     timeout_s: float = 1.0
+    ca_file: str | None = None
 
 
 def daemon_from_extra(extra: Mapping[str, Any]) -> DaemonSettings | None:
@@ -141,7 +146,10 @@ def daemon_from_extra(extra: Mapping[str, Any]) -> DaemonSettings | None:
     if timeout_s <= 0:
         raise ConfigError(TIMEOUT_KEY, timeout_s, "seconds > 0")
     token = extra.get(TOKEN_KEY) or None
-    return DaemonSettings(url, str(token) if token else None, timeout_s)
+    ca_file = extra.get(CA_FILE_KEY) or None
+    return DaemonSettings(
+        url, str(token) if token else None, timeout_s, str(ca_file) if ca_file else None
+    )
 
 
 def prefill_wait_from_extra(extra: Mapping[str, Any]) -> float:

@@ -13,6 +13,7 @@ pytest.importorskip("uvicorn", reason="needs the service extra: pip install 'kvt
 pytest.importorskip("httpx", reason="needs the service extra: pip install 'kvtier[service]'")
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import os
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -624,3 +626,101 @@ def test_a_put_prefix_keeps_a_long_sequence_head_on_a_full_daemon(tmp_path: Path
         s.close()
     finally:
         d.stop()
+
+
+# -- what a client without a token can hold -------------------------------------------------
+
+
+def _fds_of(pid: int) -> list[str]:
+    """Where each open descriptor of process ``pid`` points."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return out
+
+
+def _fds_down_to(pid: int, before: int) -> int:
+    """How many descriptors ``pid`` has once it is back to ``before`` (or 10 s passed):
+    the HTTP connections the metrics reads opened close a moment after their answer."""
+    n = len(_fds_of(pid))
+    deadline = time.monotonic() + 10
+    while n > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+        n = len(_fds_of(pid))
+    return n
+
+
+def test_descriptors_sent_on_empty_messages_are_closed(daemon_factory: DaemonFactory) -> None:
+    d = daemon_factory(tokens=TOKENS)
+    pid = d.proc.pid
+    path = _socket_of(d, "alice")
+    with Client(d.url, TOKENS["alice"]) as c:  # the daemon's own descriptors, all open
+        assert c.get(os.urandom(16)) is None
+    assert _wait_for_connections(d, lambda n: n == 0) == 0
+    before = len(_fds_of(pid))
+    for _ in range(20):  # no token, no HELLO: a 4 MiB memfd on an empty message
+        s = _raw(path)
+        fd = _memfd(4 * MiB, name="kvtier-hostile-empty")
+        socket.send_fds(s, [b""], [fd])
+        os.close(fd)
+        assert s.recv(100) == b""  # the daemon ends the connection
+        s.close()
+    assert _wait_for_connections(d, lambda n: n == 0) == 0
+    held = [t for t in _fds_of(pid) if "kvtier-hostile-empty" in t]
+    assert held == []
+    assert _fds_down_to(pid, before) <= before
+    with Client(d.url, TOKENS["alice"]) as c:
+        key = os.urandom(16)
+        c.put(key, b"v" * 100)
+        assert c.get(key) == b"v" * 100
+
+
+def _wait_for_connections(d: Daemon, ok: Callable[[int], bool]) -> int:
+    n = -1
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        n = _metric(d, "kvtier_same_host_connections", "alice")
+        if ok(n):
+            break
+        time.sleep(0.05)
+    return n
+
+
+def test_a_connection_that_does_not_authenticate_is_closed_at_the_deadline(
+    daemon_factory: DaemonFactory,
+) -> None:
+    d = daemon_factory("--set", "service.socket_auth_timeout_s=5", tokens=TOKENS)
+    pid = d.proc.pid
+    path = _socket_of(d, "alice")
+    with Client(d.url, TOKENS["alice"]) as c:
+        assert c.get(os.urandom(16)) is None
+    assert _wait_for_connections(d, lambda n: n == 0) == 0
+    before = len(_fds_of(pid))
+    idle = [_raw(path) for _ in range(8)]
+    # Each holds a slot (and a descriptor) for now.
+    assert _wait_for_connections(d, lambda n: n >= 8) >= 8
+    # One that keeps sending frames, none of them a HELLO, is no better off.
+    busy = _raw(path)
+    closed = False
+    for _ in range(600):
+        try:
+            status, _ = _ask(busy, b"\x00garbage")
+        except (AssertionError, OSError):
+            closed = True
+            break
+        assert status == w.Status.BAD_REQUEST
+        time.sleep(0.1)
+    assert closed
+    for s in idle:
+        assert s.recv(100) == b""  # closed by the daemon, never by this client
+    # An authenticated connection has no deadline: it serves past the one above.
+    s = _raw(path)
+    _hello(s, TOKENS["alice"])
+    time.sleep(6)
+    assert _ask(s, w.request(w.Op.LOOKUP, count=1) + os.urandom(16))[0] == w.Status.OK
+    s.close()
+    for s in [*idle, busy]:
+        s.close()
+    assert _wait_for_connections(d, lambda n: n == 0) == 0
+    assert _fds_down_to(pid, before) <= before

@@ -125,3 +125,27 @@ def test_weak_tokens_are_refused_at_start_up() -> None:
     assert r.returncode == 2
     assert "service.tokens.alice" in r.stderr
     assert "short" not in r.stderr  # a token never appears in a message
+
+
+def test_a_raw_header_value_names_the_tenant_its_text_names() -> None:
+    from kvtier.service.tenants import Authenticator
+
+    auth = Authenticator(TOKENS)
+    tok = TOKENS["alice"].encode()
+    forms = [
+        b"Bearer " + tok,
+        b"bearer " + tok,
+        b"BEARER  " + tok + b"  ",
+        b"Bearer " + tok[:-1],
+        b"Bearer " + tok + b"x",
+        b"Basic " + tok,
+        b"Bearer \xff",
+        b"Bearer ",
+        b"",
+        tok,
+    ]
+    for value in forms:
+        assert auth.authenticate_header(value) == auth.authenticate(value.decode("latin-1"))
+    assert auth.authenticate_header(b"Bearer " + tok) is not None
+    assert auth.authenticate_header(None) is None
+    assert Authenticator({}).authenticate_header(None) is not None  # the anonymous tenant
