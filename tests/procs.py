@@ -69,3 +69,15 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
     for path in shm:
         path.unlink(missing_ok=True)
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 30) -> int:
+    """SIGTERM (a clean stop), then SIGKILL after ``timeout_s``; the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode

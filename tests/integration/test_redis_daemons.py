@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.procs import stop_process
 from tests.redis_servers import RedisServer, free_port
 
 pytestmark = pytest.mark.redis
@@ -93,14 +94,7 @@ class Daemon:
         raise RuntimeError(f"daemon did not become ready:\n{log.read_text()}")
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc)
 
 
 @pytest.fixture

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.procs import stop_process
+
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789ab"}
 SMALL = [
     "--set",
@@ -56,14 +58,7 @@ class Daemon:
         return {"Authorization": f"Bearer {self.tokens[tenant]}"} if tenant else {}
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc)
 
 
 def start_daemon(

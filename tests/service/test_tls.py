@@ -33,6 +33,7 @@ from cryptography.x509.oid import NameOID
 from kvtier.config import load_config
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.service.client import AsyncClient, Client
+from tests.procs import stop_process
 
 from .conftest import SMALL, TOKENS, free_port, kvtier_cmd
 
@@ -128,14 +129,7 @@ class TLSDaemon:
         )
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc)
 
 
 @pytest.fixture(scope="module")
