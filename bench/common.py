@@ -227,3 +227,12 @@ class LineChild:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+
+
+def free_port() -> int:
+    """A loopback port free now (the kernel's pick), for a server a benchmark starts."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -54,21 +54,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.common import envelope, missing, scratch_dir, write_json
+from kvtier.bench.common import envelope, free_port, missing, scratch_dir, write_json
 
 LAYERS, HEADS, HEAD_SIZE, CHUNK = 32, 8, 128, 256
 TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_SIZE * 2  # K and V, bf16
 STABLE = {"pre_caching_hash_algorithm": "sha256_cbor"}
 CAPACITY_PROMPTS = 4  # a kvtier tier's capacity, in prompts
 FILL_ROUNDS = CAPACITY_PROMPTS - 1  # untimed stores that fill it (the main prompt is the 4th)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _nvme_toml(directory: Path, capacity_bytes: int) -> str:
@@ -473,7 +465,7 @@ def main(argv: list[str]) -> int:
     (tmp / "daemon-host" / "kvtier.toml").write_text(_host_toml(capacity))
     (tmp / "embedded-host").mkdir()
     (tmp / "embedded-host" / "kvtier.toml").write_text(_host_toml(capacity))
-    port, host_port, copy_port = _free_port(), _free_port(), _free_port()
+    port, host_port, copy_port = free_port(), free_port(), free_port()
     state: dict[str, Any] = {"daemon": _serve(tmp / "daemon", port)}
     state["daemon-copy"] = _serve(tmp / "daemon-copy", copy_port)
     state["daemon-host"] = _serve(tmp / "daemon-host", host_port)

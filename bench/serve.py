@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.common import envelope, missing, write_json
+from kvtier.bench.common import envelope, free_port, missing, write_json
 from kvtier.bench.tiny_llama import BENCH_GEOMETRY, TinyLlama, write_tiny_llama
 from kvtier.traces import resolve_trace
 
@@ -167,20 +167,11 @@ def load_requests(a: argparse.Namespace, vocab: int) -> list[Request]:
     return out
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 class Server:
     """One vLLM API server process (its own process group, so a stop takes its engine)."""
 
     def __init__(self, args: list[str], log: Path, env: dict[str, str]) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         with log.open("wb") as out:
