@@ -317,9 +317,13 @@ class KvikioEngine(IOEngine):
     def __init__(self, threads: int = 4) -> None:
         super().__init__(threads)
         try:
+            # defaults and cufile_driver are submodules that kvikio's package does not
+            # import itself (26.x): a bare ``import kvikio`` leaves them unbound.
             import kvikio
+            import kvikio.cufile_driver
+            import kvikio.defaults
         except ImportError as exc:  # translated by the tier into a ConfigError
-            raise OSError(errno.ENOSYS, f"kvikio is not installed: {exc}") from exc
+            raise OSError(errno.ENOSYS, f"kvikio is not usable: {exc}") from exc
         self._kvikio = kvikio
         # kvikio splits each transfer over its own pool: give it as many threads as posix.
         # In compat mode it writes with O_DIRECT but reads through the page cache unless
@@ -405,13 +409,21 @@ def kvikio_importable() -> bool:
 
 
 def make_engine(name: str, threads: int) -> IOEngine:
-    """The engine a config names; ``auto`` is kvikio where libcuda and kvikio exist, else posix.
+    """The engine a config names; ``auto`` is kvikio where libcuda and a working kvikio exist,
+    else posix.
 
     Raises:
         OSError: kvikio asked for but not importable.
     """
     if name == "auto":
-        name = "kvikio" if libcuda_loads() and kvikio_importable() else "posix"
+        if libcuda_loads() and kvikio_importable():
+            try:
+                return KvikioEngine(threads)
+            except OSError as exc:
+                # An installed kvikio that does not work here (a version whose API moved, a
+                # broken install) costs GPU-direct I/O, not the tier: posix serves the same files.
+                log.warning("nvme: kvikio unusable (%s); using the posix engine", exc)
+        name = "posix"
     if name == "kvikio":
         return KvikioEngine(threads)
     if name == "posix":

@@ -57,3 +57,31 @@ def test_engine_round_trip_and_short_read(tmp_path: Path) -> None:
         assert info.value.errno == errno.EIO
     finally:
         engine.close()
+
+
+def test_auto_falls_back_to_posix_when_kvikio_does_not_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An installed kvikio without the modules the engine needs (an API that moved, a partial
+    install) costs GPU-direct I/O only: ``auto`` logs why and serves through posix. libcuda is
+    faked as present, the one thing a CPU machine cannot produce."""
+    import sys
+
+    from kvtier.tiers.nvme import engine as engine_mod
+
+    fake = tmp_path / "site" / "kvikio"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("# a kvikio without cufile_driver or defaults\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    for mod in [m for m in sys.modules if m == "kvikio" or m.startswith("kvikio.")]:
+        monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setattr(engine_mod, "libcuda_loads", lambda: True)
+    with caplog.at_level("WARNING", logger="kvtier.tiers.nvme.engine"):
+        engine = make_engine("auto", 2)
+    try:
+        assert engine.name == "posix"
+        assert "kvikio unusable" in caplog.text
+    finally:
+        engine.close()
+    with pytest.raises(OSError, match="kvikio is not usable"):
+        make_engine("kvikio", 2)
