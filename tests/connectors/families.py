@@ -28,7 +28,8 @@ _COMMON: dict[str, Any] = {
 
 # DeepSeek-V2 with multi-head latent attention: one latent vector of kv_lora_rank +
 # qk_rope_head_dim = 576 elements per token and layer (vLLM's CPU MLA kernel takes only
-# that size). Dense MLPs only (first_k_dense_replace covers every layer): the family's KV
+# that size). The head dimensions are DeepSeek-V2's own (128 / 64 / 128): CUDA's MLA
+# prefill (FlashAttention) refuses others. Dense MLPs only (first_k_dense_replace covers every layer): the family's KV
 # is what is under test, not its experts.
 DEEPSEEK_V2: dict[str, Any] = {
     **_COMMON,
@@ -40,8 +41,8 @@ DEEPSEEK_V2: dict[str, Any] = {
     "kv_lora_rank": 512,
     "q_lora_rank": None,
     "qk_rope_head_dim": 64,
-    "qk_nope_head_dim": 64,
-    "v_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
     "moe_intermediate_size": 128,
     "n_shared_experts": 1,
     "n_routed_experts": 4,
