@@ -27,11 +27,15 @@ die() { echo "wheelhouse: $*" >&2; exit 2; }
 # the host image), and media packages no text model imports.
 ALWAYS_SKIP='torch torchaudio torchvision torchcodec triton pynvvideocodec'
 # vLLM's optional GPU kernel packages: imported only by the models or backends that use them.
-SLIM_SKIP='flashinfer-python apache-tvm-ffi tilelang nvidia-cudnn-frontend fastsafetensors
+# flashinfer-python and apache-tvm-ffi stay: vLLM 0.26's sampler imports flashinfer and
+# xgrammar imports tvm_ffi on every engine start.
+SLIM_SKIP='tilelang nvidia-cudnn-frontend fastsafetensors
 nvidia-cutlass-dsl quack-kernels tokenspeed-mla humming-kernels kernels numba nvtx'
-# Members of vLLM's wheel a Hopper GPU serving dense models never loads.
+# Members of vLLM's wheel a Hopper GPU serving dense models never loads (the rest of
+# third_party stays: vLLM finds the GPU through its vendored pynvml, MLA through flashmla).
 SLIM_DROP=('vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so' 'vllm/_moe_C_stable_libtorch.abi3.so'
-  'vllm/third_party/*' 'vllm/vllm-rs' 'vllm/entrypoints/serve/instrumentator/static/*')
+  'vllm/third_party/fmha_sm100/*'
+  'vllm/third_party/deep_gemm/*' 'vllm/vllm-rs' 'vllm/entrypoints/serve/instrumentator/static/*')
 # GPU-side I/O for the nvme tier (kvtier[gds]); cupy and cuda-toolkit come with the image.
 KVIKIO='kvikio-cu13 libkvikio-cu13 rapids-logger'
 
