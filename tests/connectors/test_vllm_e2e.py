@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.connectors.conftest import CHUNK, HOST_BYTES, Engine, prompt
+from tests.connectors.conftest import BLOCK, CHUNK, HOST_BYTES, Engine, prompt
 
 pytest.importorskip("vllm")
 
@@ -30,6 +30,28 @@ def test_second_identical_prompt_hits_and_matches(engine: Engine) -> None:
     assert second.tokens == first.tokens
     # A host-tier hit loads before the step's forward, never off it (async_loads = "auto").
     assert after.get("load_async", 0) == before.get("load_async", 0)
+
+
+def test_prompt_ending_at_a_chunk_boundary_loads_all_but_its_last_block(engine: Engine) -> None:
+    """vLLM computes the last token; the stored last chunk gives every block before it.
+
+    A prefix of a chunk's KV is the KV of those tokens: its leading blocks load, and only
+    the block holding the last token is computed (as vLLM's own offloading does).
+    """
+    p = prompt(8, 5 * CHUNK)
+    first = engine.generate(p)
+    before = engine.totals()
+    second = engine.generate(p)
+    after = engine.totals()
+    reference = engine.generate(p, cache_salt="boundary-reference")
+
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 5 * CHUNK - BLOCK
+    assert after.get("load_tokens", 0) - before.get("load_tokens", 0) == 5 * CHUNK - BLOCK
+    assert after.get("load_chunks", 0) - before.get("load_chunks", 0) == 5
+    assert after.get("load_failed_blocks", 0) == before.get("load_failed_blocks", 0)
+    assert reference.num_cached_tokens == 0
+    assert second.tokens == first.tokens == reference.tokens
 
 
 def test_shared_prefix_loads_only_the_prefix(engine: Engine) -> None:
@@ -85,7 +107,7 @@ def test_failed_load_is_recomputed(engine: Engine) -> None:
     # The failure taught the scheduler: the chunks are stored again, and the next run hits.
     third = engine.generate(victim)
     assert third.tokens == first.tokens
-    assert third.num_cached_tokens == 9 * CHUNK
+    assert third.num_cached_tokens == 10 * CHUNK - BLOCK  # the last chunk but its last block
     assert engine.totals().get("load_failed_blocks", 0) == after.get("load_failed_blocks", 0)
 
 
