@@ -7,6 +7,9 @@ connector's counters that the bytes really came from kvtier.
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pytest
 
 from tests.connectors.conftest import BLOCK, CHUNK, HOST_BYTES, Engine, prompt
@@ -109,6 +112,54 @@ def test_failed_load_is_recomputed(engine: Engine) -> None:
     assert third.tokens == first.tokens
     assert third.num_cached_tokens == 10 * CHUNK - BLOCK  # the last chunk but its last block
     assert engine.totals().get("load_failed_blocks", 0) == after.get("load_failed_blocks", 0)
+
+
+def test_a_failed_partial_last_chunk_is_recomputed(engine: Engine) -> None:
+    """The last chunk of a prompt ending at a chunk boundary fails to load: recomputed.
+
+    A prompt that stops inside the tenth chunk stores the first nine; the full prompt
+    then stores the tenth alone, which is deleted before the scheduler hears of it. The
+    next run loads the nine and fails the one block it wanted of the tenth: vLLM
+    recomputes from there, with the output of the first run.
+    """
+    victim = prompt(9, 10 * CHUNK)
+    store = engine.connector.worker.store
+    start = set(store.keys())
+    engine.generate(victim[: 9 * CHUNK + 10])
+    nine = _stored(store, start, 9)
+    first = engine.generate(victim)
+    tenth = _stored(store, start | nine, 1)
+    assert len(nine) == 9 and len(tenth) == 1
+    assert store.delete(list(tenth)) == 1
+    before = engine.totals()
+    again = engine.generate(victim)
+    after = engine.totals()
+    third = engine.generate(victim)
+    final = engine.totals()
+    ref = engine.generate(victim, cache_salt="partial-failure-reference")
+
+    # The tenth chunk was to give one block (vLLM computes the other): that one failed.
+    assert _delta("load_failed_blocks", before, after) == CHUNK // BLOCK - 1
+    assert _delta("load_chunks", before, after) == 9
+    assert _delta("load_tokens", before, after) == 9 * CHUNK
+    # It was stored again: the next run loads all but the last block, and nothing fails.
+    assert third.num_cached_tokens == 10 * CHUNK - BLOCK
+    assert _delta("load_tokens", after, final) == 10 * CHUNK - BLOCK
+    assert _delta("load_failed_blocks", after, final) == 0
+    assert ref.num_cached_tokens == 0
+    assert again.tokens == third.tokens == first.tokens == ref.tokens
+
+
+def _delta(name: str, before: dict[str, float], after: dict[str, float]) -> float:
+    return after.get(name, 0) - before.get(name, 0)
+
+
+def _stored(store: Any, held: set[Any], n: int) -> set[Any]:
+    """Keys the store holds beyond ``held``, once ``n`` of them landed (bounded wait)."""
+    deadline = time.monotonic() + 10.0
+    while len(new := set(store.keys()) - held) < n and time.monotonic() < deadline:
+        time.sleep(0.05)  # the save thread puts after the step that computed the chunks
+    return new
 
 
 def test_churn_never_promises_a_chunk_the_store_dropped(engine: Engine) -> None:
