@@ -55,7 +55,8 @@ def load_in_place(
         store: the worker's store (only a :class:`TieredStore` qualifies).
         mover: the worker's mover (only a CUDA one qualifies).
         keys: rank keys of the chunks, in order.
-        block_ids: their blocks, ``blocks_per_chunk`` per key.
+        block_ids: their blocks, ``blocks_per_chunk`` per key, the last key's possibly
+            fewer (its chunk's leading blocks only).
         skip_blocks: leading blocks not to write (vLLM's own prefix-cache hit).
         blocks_per_chunk: blocks per chunk.
 
@@ -81,11 +82,12 @@ def load_in_place(
             return False  # an arena that is not page-locked: DMA would bounce anyway
         shape = (blocks_per_chunk, mover.num_layers, mover.page_bytes)
         for i, row in enumerate(rows):
-            first, last = i * blocks_per_chunk, (i + 1) * blocks_per_chunk
+            first = i * blocks_per_chunk
+            last = min(first + blocks_per_chunk, len(block_ids))
             lo = max(first, skip_blocks)
             if lo >= last:
                 continue
-            mover.scatter(row.view(shape)[lo - first :], block_ids[lo:last])
+            mover.scatter(row.view(shape)[lo - first : last - first], block_ids[lo:last])
     except (KVTierError, RuntimeError) as exc:
         log.warning("kvtier in-place load failed, loading through staging: %s", exc)
         return False

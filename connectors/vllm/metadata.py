@@ -31,8 +31,10 @@ class LoadOp:
         req_id: vLLM's internal request id.
         keys: logical keys of the chunks, in prompt order (a hybrid model: the keys of
             one group's entries, groups.py).
-        block_ids: the blocks of those chunks (``blocks_per_chunk`` per key, or the
-            group's ``tail_blocks``), in order; ``groups.NULL`` where nothing is written.
+        block_ids: the blocks of those chunks (``entry_blocks`` per key), in order;
+            ``groups.NULL`` where nothing is written. The last key's may be fewer: its
+            leading blocks only, where the request's tokens end inside its chunk (a
+            chunk's KV is valid KV of any prefix of it).
         skip_blocks: leading blocks that already hold vLLM's own prefix-cache hit; their
             bytes are read but not written (a chunk is the unit of lookup, a block is the
             unit of vLLM's cache).
@@ -40,6 +42,8 @@ class LoadOp:
         asynchronous: the load runs off the engine step (a slow tier): the request waits
             in vLLM's WAITING_FOR_REMOTE_KVS until the worker reports it in
             ``finished_recving``; otherwise it completes before this step's forward.
+        entry_blocks: blocks of one stored entry (``blocks_per_chunk``, or the group's
+            ``tail_blocks``): every entry is read whole.
     """
 
     req_id: str
@@ -48,6 +52,7 @@ class LoadOp:
     skip_blocks: int
     group: int = 0
     asynchronous: bool = False
+    entry_blocks: int = field(kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -106,20 +106,39 @@ class KeyMirror:
         self.discard(key)
 
 
+def hit_cap(num_tokens: int, block_size: int) -> int:
+    """Most tokens of a request of ``num_tokens`` that a hit may cover.
+
+    vLLM must compute at least the last token to sample from, and a hit fills whole
+    blocks: the blocks that end before the last token.
+    """
+    return (num_tokens - 1) // block_size * block_size
+
+
+def loadable_chunks(num_tokens: int, chunk_tokens: int, block_size: int) -> int:
+    """Chunks of a request of ``num_tokens`` tokens that a hit may load from.
+
+    Only the request's full chunks can match (a key covers a whole chunk), and only
+    those holding a block below :func:`hit_cap`. A request that ends exactly at a chunk
+    boundary may thus load its last chunk in part: every block but the last one, as
+    vLLM's own offloading does (with one block per chunk, nothing of it).
+    """
+    cap = hit_cap(num_tokens, block_size)
+    return min(num_tokens // chunk_tokens, -(-cap // chunk_tokens))
+
+
 def matched_chunks(
     keys: list[bytes],
-    num_tokens: int,
-    chunk_tokens: int,
+    limit: int,
     mirror: KeyMirror | StoreMirror,
     pending: dict[bytes, Any],
 ) -> int | None:
     """Leading chunks of ``keys`` that can be loaded, or None to ask again later.
 
-    At most ``(num_tokens - 1) // chunk_tokens`` chunks: vLLM must compute at least one
-    token to sample from. None when the first chunk not yet stored is being saved right
-    now (its confirmation arrives within a step or two; waiting beats recomputing).
+    At most ``limit`` chunks (:func:`loadable_chunks`). None when the first chunk not
+    yet stored is being saved right now (its confirmation arrives within a step or two;
+    waiting beats recomputing).
     """
-    limit = (num_tokens - 1) // chunk_tokens
     n = 0
     for key in keys[:limit]:
         if key not in mirror:
@@ -222,8 +241,23 @@ class SchedulerSide:
 
     # -- lookup ---------------------------------------------------------------------------
 
+    def _limit(self, num_tokens: int) -> int:
+        """Chunks a hit of a request of ``num_tokens`` tokens may load from.
+
+        A hybrid model's hits stay whole chunks: a sliding-window group stores of a
+        chunk only the window before its end, and a hit ending a block short of it
+        needs the window before that point, which those entries need not hold.
+        """
+        if self.layout.hybrid:
+            return (num_tokens - 1) // self.chunk_tokens
+        return loadable_chunks(num_tokens, self.chunk_tokens, self.block_size)
+
+    def _hit_end(self, n: int, num_tokens: int) -> int:
+        """Tokens covered by a hit of the first ``n`` matched chunks."""
+        return min(n * self.chunk_tokens, hit_cap(num_tokens, self.block_size))
+
     def _keys(self, request: Request) -> list[bytes]:
-        n_chunks = (request.num_tokens - 1) // self.chunk_tokens
+        n_chunks = self._limit(request.num_tokens)
         memo = self._memo.get(request.request_id)
         if memo is not None and memo[0] >= n_chunks:
             return memo[1]
@@ -238,11 +272,11 @@ class SchedulerSide:
     ) -> tuple[int | None, bool]:
         keys = self._keys(request)
         rid = request.request_id
-        limit = (request.num_tokens - 1) // self.chunk_tokens
+        limit = self._limit(request.num_tokens)
         if not self.role.loads or not self.can_load:
             # A producer computes every token. It asks the daemon only so that it does not
             # save again what another engine stored (_remote_hits adds it to the mirror).
-            n = self._matched(keys, request.num_tokens, {})
+            n = self._matched(keys, limit, {})
             if self.remote is not None and n is not None and n < limit and self.remote.ready():
                 self._remote_hits(rid, keys[n:limit])
             return 0, False
@@ -251,7 +285,7 @@ class SchedulerSide:
             arrived = self._arrived[rid] = (self._step, time.monotonic())
         if not self.mirror.ready() and self._waiting_for_workers():
             return None, False
-        n = self._matched(keys, request.num_tokens, self._pending)
+        n = self._matched(keys, limit, self._pending)
         if n is None:
             return None, False
         handoff = handoff_of(request.kv_transfer_params, rid)
@@ -267,7 +301,7 @@ class SchedulerSide:
         if n > 0 and not self._fenced(arrived):
             return None, False
         self.waits.settled(rid, n, limit)
-        hit = n * self.chunk_tokens - num_computed_tokens
+        hit = self._hit_end(n, request.num_tokens) - num_computed_tokens
         # A hybrid model's load is always announced asynchronous (when fast, it still runs
         # in start_load_kv and the request waits a step): vLLM takes a failed load of a
         # model of several KV-cache groups only per request (failed_recving), never as
@@ -289,10 +323,9 @@ class SchedulerSide:
             return False  # memory tiers only: a copy takes far less than a step
         return not all(k in self._fast for k in keys)
 
-    def _matched(self, keys: list[bytes], num_tokens: int, pending: dict[bytes, Any]) -> int | None:
+    def _matched(self, keys: list[bytes], limit: int, pending: dict[bytes, Any]) -> int | None:
         if not self.layout.hybrid:
-            return matched_chunks(keys, num_tokens, self.chunk_tokens, self.mirror, pending)
-        limit = (num_tokens - 1) // self.chunk_tokens
+            return matched_chunks(keys, limit, self.mirror, pending)
         return self.layout.matched(keys, limit, self.mirror, pending)
 
     def _waiting_for_workers(self) -> bool:
@@ -360,8 +393,11 @@ class SchedulerSide:
         local, _, slow = self._lookup.pop(rid, (request.num_computed_tokens, 0, False))
         self.stats.add("lookups", 1)
         self.stats.add("lookup_tokens", request.num_tokens)
+        end = local + max(0, num_external_tokens)  # tokens computed once the load is done
         first = local // self.chunk_tokens
-        last = (local + max(0, num_external_tokens)) // self.chunk_tokens
+        # The chunks the load reads: the last one in part where the hit ends inside it
+        # (a request ending at its boundary, _limit), as a whole chunk was stored.
+        last = -(-end // self.chunk_tokens)
         # Saving restarts after what is loaded now (or from the start: chunks that are
         # only in vLLM's prefix cache, or whose save failed before a preemption, are
         # offered again; chunks already stored are skipped when planned).
@@ -378,9 +414,10 @@ class SchedulerSide:
                 LoadOp(
                     rid,
                     tuple(keys[first:last]),
-                    tuple(block_ids[0][first * bpc : last * bpc]),
+                    tuple(block_ids[0][first * bpc : end // self.block_size]),
                     local // self.block_size - first * bpc,
                     asynchronous=slow,
+                    entry_blocks=bpc,
                 )
             )
             self.mirror.touch(keys[first:last])
@@ -388,7 +425,15 @@ class SchedulerSide:
             plan = self.layout.load_plan(keys, block_ids, first, last, local // self.block_size)
             for group, gkeys, gblocks in plan:
                 self._loads.append(
-                    LoadOp(rid, tuple(gkeys), tuple(gblocks), 0, group, asynchronous=slow)
+                    LoadOp(
+                        rid,
+                        tuple(gkeys),
+                        tuple(gblocks),
+                        0,
+                        group,
+                        asynchronous=slow,
+                        entry_blocks=self.layout.groups[group].tail_blocks,
+                    )
                 )
                 self.mirror.touch(gkeys)
         if self._fast is not None:
@@ -492,7 +537,7 @@ class SchedulerSide:
 
     def _handoff(self, st: _Req) -> dict[str, Any] | None:
         """A producer's answer for the consumer: the leading chunks stored or being saved."""
-        limit = (st.request.num_prompt_tokens - 1) // self.chunk_tokens
+        limit = self._limit(st.request.num_prompt_tokens)
         n = 0
         for key in st.keys[:limit]:
             if key not in self.mirror and key not in self._pending:

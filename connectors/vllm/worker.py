@@ -267,7 +267,10 @@ class WorkerSide:
         assert store is not None or self.broadcast
         t0 = time.perf_counter()
         n = len(op.keys)
-        bpc = len(op.block_ids) // max(1, n)  # blocks per entry: a group may store a tail
+        bpc = op.entry_blocks  # blocks per entry: a group may store a tail
+        # Entries are read whole; the last one's blocks past len(op.block_ids) are not
+        # written (the request ends inside its chunk: vLLM computes those tokens).
+        end = len(op.block_ids)
         keys = rank_keys(self._salt, op.keys)
         if (
             not self.broadcast
@@ -277,7 +280,7 @@ class WorkerSide:
         ):
             with self._lock:
                 self.stats.add("load_chunks", n)
-                self.stats.add("load_tokens", (n * bpc - op.skip_blocks) * self.block_size)
+                self.stats.add("load_tokens", (end - op.skip_blocks) * self.block_size)
                 self.stats.add("load_bytes", n * bpc * mover.block_bytes)
                 self.stats.add("load_s", time.perf_counter() - t0)
             return
@@ -306,7 +309,7 @@ class WorkerSide:
                 log.warning("kvtier load of %d chunks failed; vLLM recomputes them: %s", n, exc)
         if self.broadcast:
             good = self._share(staging, good, bpc)
-        lo, hi = op.skip_blocks, good * bpc
+        lo, hi = op.skip_blocks, min(good * bpc, end)
         written = 0
         if hi > lo:
             try:

@@ -145,6 +145,26 @@ def test_a_held_load_does_not_stall_the_batch(engine: Engine, daemon: Daemon) ->
     assert after.get("load_failed_blocks", 0) == before.get("load_failed_blocks", 0)
 
 
+def test_an_asynchronous_load_ending_at_a_chunk_boundary(engine: Engine) -> None:
+    """A prompt of whole chunks: its last chunk loads but for the block vLLM computes.
+
+    vLLM allocates an asynchronous load's request only the blocks of its hit, so the
+    load writes the last chunk's leading blocks and no others.
+    """
+    p = prompt(54, 5 * CHUNK)
+    first = engine.generate(p)  # computed, stored into the daemon
+    ref = engine.generate(p, cache_salt="recompute")
+    before = engine.totals()
+    again = engine.generate(p)
+    after = engine.totals()
+    assert ref.num_cached_tokens == 0
+    assert again.num_cached_tokens == 5 * CHUNK - BLOCK
+    assert again.tokens == ref.tokens == first.tokens
+    assert after["load_async"] - before.get("load_async", 0) == 1
+    assert after["load_tokens"] - before.get("load_tokens", 0) == 5 * CHUNK - BLOCK
+    assert after.get("load_failed_blocks", 0) == before.get("load_failed_blocks", 0)
+
+
 def test_a_load_that_fails_after_scheduling_is_recomputed(engine: Engine, daemon: Daemon) -> None:
     p = prompt(53, 300)
     engine.generate(p)  # stored into the daemon

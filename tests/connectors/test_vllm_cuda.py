@@ -8,7 +8,9 @@ and the connector moves blocks with the CUDA transfer engine:
 
 * the worker's mover is the transfer engine's, over CUDA tensors;
 * a repeated prompt loads its full chunks, with greedy output identical to the first run;
-  a prompt sharing a prefix loads only that prefix, identical to its salted recompute;
+  one ending at a chunk boundary loads all of its last chunk but the block holding its
+  last token; a prompt sharing a prefix loads only that prefix, identical to its salted
+  recompute;
 * chunks deleted from the store after the scheduler heard of them: the load fails for
   real, vLLM recomputes, same output;
 * a new engine process hits what the last one left in the nvme tier (restart_driver.py);
@@ -29,7 +31,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.connectors.conftest import CHUNK, Engine, in_process_engine, kv_transfer_config, prompt
+from tests.connectors.conftest import (
+    BLOCK,
+    CHUNK,
+    Engine,
+    in_process_engine,
+    kv_transfer_config,
+    prompt,
+)
 
 
 def _cuda() -> bool:
@@ -117,6 +126,23 @@ def test_repeated_prompt_hits_with_identical_output(cuda_engine: Engine) -> None
     assert second.tokens == first.tokens
 
 
+def test_prompt_ending_at_a_chunk_boundary_loads_all_but_its_last_block(
+    cuda_engine: Engine,
+) -> None:
+    # The last chunk's leading blocks only are scattered (in place where the host tier
+    # is pinned, inplace.py).
+    p = prompt(406, 5 * CHUNK)
+    first = cuda_engine.generate(p)
+    before = cuda_engine.totals().get("load_tokens", 0)
+    second = cuda_engine.generate(p)
+    loaded = cuda_engine.totals().get("load_tokens", 0) - before
+    ref = cuda_engine.generate(p, cache_salt="cuda-boundary-ref")
+    assert second.num_cached_tokens == 5 * CHUNK - BLOCK
+    assert loaded == 5 * CHUNK - BLOCK
+    assert ref.num_cached_tokens == 0
+    assert second.tokens == first.tokens == ref.tokens
+
+
 def test_shared_prefix_loads_only_the_prefix(cuda_engine: Engine) -> None:
     base = prompt(402, 266)
     a = base + prompt(403, 40)
@@ -141,4 +167,4 @@ def test_failed_load_is_recomputed(cuda_engine: Engine) -> None:
     assert again.tokens == first.tokens
     third = cuda_engine.generate(victim)
     assert third.tokens == first.tokens
-    assert third.num_cached_tokens == 9 * CHUNK
+    assert third.num_cached_tokens == 10 * CHUNK - BLOCK  # the last chunk but its last block

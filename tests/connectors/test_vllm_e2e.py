@@ -7,9 +7,12 @@ connector's counters that the bytes really came from kvtier.
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pytest
 
-from tests.connectors.conftest import CHUNK, HOST_BYTES, Engine, prompt
+from tests.connectors.conftest import BLOCK, CHUNK, HOST_BYTES, Engine, prompt
 
 pytest.importorskip("vllm")
 
@@ -30,6 +33,28 @@ def test_second_identical_prompt_hits_and_matches(engine: Engine) -> None:
     assert second.tokens == first.tokens
     # A host-tier hit loads before the step's forward, never off it (async_loads = "auto").
     assert after.get("load_async", 0) == before.get("load_async", 0)
+
+
+def test_prompt_ending_at_a_chunk_boundary_loads_all_but_its_last_block(engine: Engine) -> None:
+    """vLLM computes the last token; the stored last chunk gives every block before it.
+
+    A prefix of a chunk's KV is the KV of those tokens: its leading blocks load, and only
+    the block holding the last token is computed (as vLLM's own offloading does).
+    """
+    p = prompt(8, 5 * CHUNK)
+    first = engine.generate(p)
+    before = engine.totals()
+    second = engine.generate(p)
+    after = engine.totals()
+    reference = engine.generate(p, cache_salt="boundary-reference")
+
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 5 * CHUNK - BLOCK
+    assert after.get("load_tokens", 0) - before.get("load_tokens", 0) == 5 * CHUNK - BLOCK
+    assert after.get("load_chunks", 0) - before.get("load_chunks", 0) == 5
+    assert after.get("load_failed_blocks", 0) == before.get("load_failed_blocks", 0)
+    assert reference.num_cached_tokens == 0
+    assert second.tokens == first.tokens == reference.tokens
 
 
 def test_shared_prefix_loads_only_the_prefix(engine: Engine) -> None:
@@ -85,8 +110,56 @@ def test_failed_load_is_recomputed(engine: Engine) -> None:
     # The failure taught the scheduler: the chunks are stored again, and the next run hits.
     third = engine.generate(victim)
     assert third.tokens == first.tokens
-    assert third.num_cached_tokens == 9 * CHUNK
+    assert third.num_cached_tokens == 10 * CHUNK - BLOCK  # the last chunk but its last block
     assert engine.totals().get("load_failed_blocks", 0) == after.get("load_failed_blocks", 0)
+
+
+def test_a_failed_partial_last_chunk_is_recomputed(engine: Engine) -> None:
+    """The last chunk of a prompt ending at a chunk boundary fails to load: recomputed.
+
+    A prompt that stops inside the tenth chunk stores the first nine; the full prompt
+    then stores the tenth alone, which is deleted before the scheduler hears of it. The
+    next run loads the nine and fails the one block it wanted of the tenth: vLLM
+    recomputes from there, with the output of the first run.
+    """
+    victim = prompt(9, 10 * CHUNK)
+    store = engine.connector.worker.store
+    start = set(store.keys())
+    engine.generate(victim[: 9 * CHUNK + 10])
+    nine = _stored(store, start, 9)
+    first = engine.generate(victim)
+    tenth = _stored(store, start | nine, 1)
+    assert len(nine) == 9 and len(tenth) == 1
+    assert store.delete(list(tenth)) == 1
+    before = engine.totals()
+    again = engine.generate(victim)
+    after = engine.totals()
+    third = engine.generate(victim)
+    final = engine.totals()
+    ref = engine.generate(victim, cache_salt="partial-failure-reference")
+
+    # The tenth chunk was to give one block (vLLM computes the other): that one failed.
+    assert _delta("load_failed_blocks", before, after) == CHUNK // BLOCK - 1
+    assert _delta("load_chunks", before, after) == 9
+    assert _delta("load_tokens", before, after) == 9 * CHUNK
+    # It was stored again: the next run loads all but the last block, and nothing fails.
+    assert third.num_cached_tokens == 10 * CHUNK - BLOCK
+    assert _delta("load_tokens", after, final) == 10 * CHUNK - BLOCK
+    assert _delta("load_failed_blocks", after, final) == 0
+    assert ref.num_cached_tokens == 0
+    assert again.tokens == third.tokens == first.tokens == ref.tokens
+
+
+def _delta(name: str, before: dict[str, float], after: dict[str, float]) -> float:
+    return after.get(name, 0) - before.get(name, 0)
+
+
+def _stored(store: Any, held: set[Any], n: int) -> set[Any]:
+    """Keys the store holds beyond ``held``, once ``n`` of them landed (bounded wait)."""
+    deadline = time.monotonic() + 10.0
+    while len(new := set(store.keys()) - held) < n and time.monotonic() < deadline:
+        time.sleep(0.05)  # the save thread puts after the step that computed the chunks
+    return new
 
 
 def test_churn_never_promises_a_chunk_the_store_dropped(engine: Engine) -> None:

@@ -70,11 +70,28 @@ def test_lookup_counts_leading_chunks_and_waits_for_saves_in_flight() -> None:
     keys = [bytes([i]) * 16 for i in range(5)]
     for k in keys[:3]:
         mirror.add(k)
-    assert matched_chunks(keys, 5 * 64, 64, mirror, {}) == 3
-    assert matched_chunks(keys, 2 * 64, 64, mirror, {}) == 1  # one token must be computed
-    assert matched_chunks(keys, 5 * 64, 64, mirror, {keys[3]: [0, 0]}) is None
+    assert matched_chunks(keys, 5, mirror, {}) == 3
+    assert matched_chunks(keys, 2, mirror, {}) == 2
+    assert matched_chunks(keys, 5, mirror, {keys[3]: [0, 0]}) is None
     mirror.discard(keys[0])
-    assert matched_chunks(keys, 5 * 64, 64, mirror, {}) == 0
+    assert matched_chunks(keys, 5, mirror, {}) == 0
+
+
+def test_a_hit_stops_one_block_short_of_the_last_token() -> None:
+    pytest.importorskip("vllm")
+    from kvtier.connectors.vllm.scheduler import hit_cap, loadable_chunks
+
+    # Chunks of 64 tokens, blocks of 16: vLLM computes at least the last token.
+    assert loadable_chunks(300, 64, 16) == 4  # the 5th chunk is not full: no key
+    assert loadable_chunks(257, 64, 16) == 4
+    assert loadable_chunks(255, 64, 16) == 3
+    # Ending at a chunk boundary: the last chunk loads its first 3 blocks of 4.
+    assert loadable_chunks(256, 64, 16) == 4
+    assert hit_cap(256, 16) == 256 - 16
+    assert loadable_chunks(64, 64, 16) == 1 and hit_cap(64, 16) == 48
+    # A chunk of one block has nothing before the last token's block.
+    assert loadable_chunks(256, 64, 64) == 3 and hit_cap(256, 64) == 192
+    assert loadable_chunks(1, 64, 16) == 0 and hit_cap(1, 16) == 0
 
 
 def test_mirror_is_bounded_lru() -> None:
