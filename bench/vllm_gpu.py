@@ -15,6 +15,8 @@ the other, so that GPU and host memory start clean:
 * ``kvtier-host``: the kvtier connector, one host tier (pinned shared memory), hits
   read in place (connectors/vllm/inplace.py); ``kvtier-host-staged`` (not run by
   default): the same through the staging copy, ``KVTIER_LOAD_IN_PLACE=0``;
+  ``kvtier-host-sync`` (not run by default): with ``async_loads = "off"``, every load
+  inside the engine step (on CUDA the default runs them off the step: docs/connector.md);
 * ``kvtier-nvme``: the kvtier connector, one nvme tier only (kvikio where installed:
   GDS where the machine allows it, its compat mode otherwise; else the POSIX engine),
   the page cache dropped before each hit where the process may;
@@ -155,7 +157,11 @@ def connector_config(source: str, a: argparse.Namespace) -> dict[str, Any]:
         "kv_connector": "KVTierConnector",
         "kv_connector_module_path": "kvtier.connectors.vllm",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"store.chunk_tokens": CHUNK_TOKENS, "tiers": tiers},
+        "kv_connector_extra_config": {
+            "store.chunk_tokens": CHUNK_TOKENS,
+            "tiers": tiers,
+            **({"async_loads": "off"} if source == "kvtier-host-sync" else {}),
+        },
     }
 
 

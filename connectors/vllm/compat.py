@@ -8,6 +8,12 @@ as 0.32 spells them and ask this module for the rest:
 * ``vllm.v1.metrics.cache_hit_source`` (per-source hit accounting, the base class's
   ``_cache_hit_source``) does not exist in 0.26: :data:`HOST_HIT_SOURCE` is None there,
   and 0.26's base class never reads the attribute.
+* On CUDA, vLLM (0.26 at least, both GPU model runners) does not recompute a request
+  whose *synchronous* load failed correctly: the V2 runner restarts it from a stale
+  offset (wrong output, and wrong KV saved from it; vllm-project/vllm#49250), the V1
+  runner indexes out of bounds. A failed asynchronous load is recovered before the
+  request reaches the runner. :func:`sync_load_failures_recover` says which engines
+  may load synchronously.
 * ``CachedRequestData.resumed_req_ids`` (requests resumed after a preemption, whose
   block ids replace rather than extend) exists in 0.26 to 0.33; 0.34 dropped it and sends
   a resumed request as a new one. :func:`resumed_req_ids` answers an empty set there.
@@ -88,3 +94,13 @@ def resumed_req_ids(cached: Any) -> set[str] | frozenset[str]:
     """
     ids = getattr(cached, "resumed_req_ids", None)
     return ids if ids is not None else frozenset()
+
+
+def sync_load_failures_recover(device_type: str) -> bool:
+    """Whether vLLM recomputes a request whose synchronous load failed correctly.
+
+    False on CUDA (module docstring): there the connector's ``async_loads = "auto"``
+    runs every load off the engine step, so that a chunk gone between lookup and load
+    (an eviction racing it, a read error) costs a recompute, never a wrong answer.
+    """
+    return device_type != "cuda"

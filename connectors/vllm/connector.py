@@ -274,6 +274,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 prefill_wait_s=prefill_wait_s,
                 can_load=refusal is None,
                 async_loads=async_loads_from_extra(extra),
+                sync_failures_recover=compat.sync_load_failures_recover(
+                    str(vllm_config.device_config.device_type)
+                ),
             )
             log.info(
                 "kvtier connector: %s (%s)",

@@ -166,6 +166,8 @@ class SchedulerSide:
         can_load: False where the engine cannot compute a prompt's tail over loaded KV
             (vLLM's CPU MLA backend): saves go on, every lookup is a miss.
         async_loads: which loads run off the engine step (settings.AsyncLoads).
+        sync_failures_recover: False where vLLM mishandles a failed synchronous load
+            (compat.sync_load_failures_recover): ``auto`` then runs every load off the step.
     """
 
     # How long a request may wait for the workers' salts and index snapshots (they
@@ -189,6 +191,7 @@ class SchedulerSide:
         layout: GroupLayout | None = None,
         can_load: bool = True,
         async_loads: AsyncLoads = AsyncLoads.AUTO,
+        sync_failures_recover: bool = True,
     ) -> None:
         self.scheme = scheme
         self.layout = layout or GroupLayout.of(scheme.spec, shape)
@@ -230,6 +233,7 @@ class SchedulerSide:
         self._memo: dict[str, tuple[int, list[bytes]]] = {}
         self._loads: list[LoadOp] = []
         self.async_loads = async_loads
+        self.sync_failures_recover = sync_failures_recover
         # AUTO on an embedded store with tiers below memory: the logical keys this engine
         # stored or loaded last, as many as its memory tiers hold (sized when the
         # workers' snapshots arrive). A load of these is planned synchronous: they are
@@ -319,6 +323,8 @@ class SchedulerSide:
             return self.async_loads is AsyncLoads.ON
         if self.remote is not None:
             return True  # the daemon: another process, maybe another host
+        if not self.sync_failures_recover:
+            return True  # a failed synchronous load would be recomputed wrongly (compat.py)
         if self._fast is None:
             return False  # memory tiers only: a copy takes far less than a step
         return not all(k in self._fast for k in keys)
