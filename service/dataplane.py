@@ -145,8 +145,6 @@ class DataPlaneProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._in_head:
-            if self._head_timer is None:
-                self._arm()
             end = head_end(self._tail, data)
             self._head_bytes += end if end >= 0 else len(data)
             self._tail = b"" if end >= 0 else (self._tail + data[-(len(_END) - 1) :])[-3:]
@@ -154,6 +152,11 @@ class DataPlaneProtocol(HttpToolsProtocol):
                 self._refuse()
                 return
         super().data_received(data)
+        # The head timer runs only while a head is incomplete after a read: a head that
+        # arrives whole in one read (nearly every request) never sets one. It starts at
+        # the read that brought the head's first bytes, as a timer set before it would.
+        if self._in_head and self._head_timer is None and not self.transport.is_closing():
+            self._arm()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -164,7 +167,6 @@ class DataPlaneProtocol(HttpToolsProtocol):
             self._in_head = True
             self._head_bytes = 0
             self._tail = b""
-            self._arm()
 
     def on_headers_complete(self) -> None:
         self._in_head = False
