@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import importlib.util
 import io
 import os
 import re
@@ -52,6 +53,9 @@ def missing_tools() -> str | None:
     for tool, package in (("ab", "apache2-utils"), ("redis-benchmark", "redis-tools")):
         if shutil.which(tool) is None:
             return f"{tool} not found (Debian package {package}; scripts/setup.sh test)"
+    # The redis-server these rows start is checked ready through redis-py.
+    if importlib.util.find_spec("redis") is None:
+        return "redis is not installed (pip install 'kvtier[redis]')"
     return None
 
 
