@@ -23,6 +23,7 @@ ever left on a pooled socket.
 
 from __future__ import annotations
 
+import inspect
 import socket
 import threading
 from collections.abc import Generator, Sequence
@@ -34,6 +35,7 @@ _LINE_READ = 4096
 _LINE_LIMIT = 64 * 1024  # a longer reply line is not RESP from a Redis server
 
 _local = threading.local()
+_NEEDS_NAME: dict[type, bool] = {}  # pool class -> get_connection wants a command name
 
 
 def _staging(nbytes: int) -> memoryview:
@@ -108,6 +110,17 @@ def supported() -> bool:
     return hasattr(redis.Connection(), "_sock")  # type: ignore[no-untyped-call]
 
 
+def _connection(pool: Any) -> Any:
+    """A connection of ``pool``: redis-py before 5.3 requires a command name, later
+    versions warn that it is deprecated."""
+    cls = type(pool)
+    needs = _NEEDS_NAME.get(cls)
+    if needs is None:
+        param = inspect.signature(cls.get_connection).parameters.get("command_name")
+        needs = _NEEDS_NAME[cls] = param is not None and param.default is param.empty
+    return pool.get_connection("GET") if needs else pool.get_connection()
+
+
 def get_values(
     pool: Any, names: Sequence[bytes], px: int | None
 ) -> Generator[memoryview | Exception | None, None, None]:
@@ -121,7 +134,7 @@ def get_values(
     Raises:
         OSError: the socket failed or timed out, or a reply was not RESP.
     """
-    conn = pool.get_connection()
+    conn = _connection(pool)
     done = False
     try:
         if px is None:
