@@ -22,7 +22,6 @@ key present, where ``SET`` overwrites; such a row would compare different work.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import importlib.util
 import io
@@ -34,7 +33,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench._daemon_load import start_kvtier, stop_process
+from kvtier.bench._daemon_load import cpu_ns, start_kvtier, stop_process
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -59,21 +58,11 @@ def missing_tools() -> str | None:
     return None
 
 
-def _cpu_ns(pid: int) -> int:
-    """CPU time of every thread of ``pid`` so far (schedstat: run time, ns)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        # A thread that ended between the listing and the read counts no more.
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            total += int((task / "schedstat").read_text().split()[0])
-    return total
-
-
 def _run(cmd: list[str], pid: int) -> tuple[str, float]:
     """Output of ``cmd`` and the CPU seconds server ``pid`` spent while it ran."""
-    c0 = _cpu_ns(pid)
+    c0 = cpu_ns(pid)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-    cpu_s = (_cpu_ns(pid) - c0) / 1e9
+    cpu_s = (cpu_ns(pid) - c0) / 1e9
     if out.returncode != 0:
         raise RuntimeError(f"{cmd[0]} failed ({out.returncode}): {out.stderr[-2000:]}")
     return out.stdout, cpu_s
