@@ -7,6 +7,7 @@ these; this module imports none of them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import statistics
@@ -149,6 +150,27 @@ def drive(op: Callable[[int], int], n_ops: int, concurrency: int, pool: ThreadPo
     # thread is scheduled again after the barrier (a fast memcpy round did).
     wall = max(e for _, e in span) - min(s for s, _ in span)
     return Run(wall, sum(moved), [x for xs in lat for x in xs])
+
+
+def cpu_ns(pid: int) -> int:
+    """CPU time of every thread of ``pid`` so far (schedstat: run time, ns)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        # A thread that ended between the listing and the read counts no more.
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            total += int((task / "schedstat").read_text().split()[0])
+    return total
+
+
+def drive_cpu(
+    op: Callable[[int], int], n_ops: int, concurrency: int, pool: ThreadPoolExecutor, pid: int
+) -> Run:
+    """:func:`drive`, with the CPU time of server ``pid`` and of this process (nanosecond
+    clocks: a run of a few requests still measures)."""
+    s0, c0 = cpu_ns(pid), time.process_time_ns()
+    run = drive(op, n_ops, concurrency, pool)
+    s1, c1 = cpu_ns(pid), time.process_time_ns()
+    return Run(run.wall_s, run.nbytes, run.latencies_s, (s1 - s0) / 1e9, (c1 - c0) / 1e9)
 
 
 def _pct(xs: list[float], q: float) -> float:

@@ -8,7 +8,10 @@ that one copy costs without a daemon: ``numpy.copyto`` of the same values betwee
 buffers of this process, on as many threads, in the same run, rounds interleaved.
 
 Rows: ``{op: same_host_get | same_host_put, value_bytes, batch, concurrency, kvtier_GBps,
-memcpy_GBps, ratio_memcpy, p50_ms, p99_ms, memcpy_p50_ms, memcpy_p99_ms}`` (medians over repeats),
+memcpy_GBps, ratio_memcpy, p50_ms, p99_ms, memcpy_p50_ms, memcpy_p99_ms,
+daemon_cpu_us_per_op, client_cpu_us_per_op, memcpy_cpu_us_per_op}`` (medians over repeats;
+the CPU columns, all threads of the daemon and of this process per request, say where a
+request's time goes beyond its copy),
 plus the size's ``first_get_new_buffer_ms`` / ``next_get_same_buffer_ms``: a get into a
 shared buffer just made, against the next get into it.
 """
@@ -28,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.bench._daemon_load import drive, start_kvtier, stop_process, versus
+from kvtier.bench._daemon_load import Run, drive_cpu, start_kvtier, stop_process, versus
 
 MiB = 1 << 20
 SIZES = (1 * MiB, 4 * MiB, 16 * MiB)
@@ -162,7 +165,7 @@ def rows_for_size(
                     ("put", "memcpy", m_put),
                 ]
                 for op, who, fn in order if rep % 2 == 0 else order[::-1]:
-                    run = drive(fn, n_ops, conc, pool)
+                    run = drive_cpu(fn, n_ops, conc, pool, proc.pid)
                     if rep:
                         runs.setdefault((op, who), []).append(run)
                 for k in fresh:  # untimed: the tier never fills up
@@ -176,6 +179,11 @@ def rows_for_size(
                         "batch": batch,
                         "concurrency": conc,
                         **versus(k_runs, m_runs, "memcpy", ratio_key="ratio_memcpy"),
+                        # Where a request's time goes: CPU of the daemon and of this
+                        # process per request, against the baseline's per copy.
+                        "daemon_cpu_us_per_op": _cpu_us(k_runs, n_ops, server=True),
+                        "client_cpu_us_per_op": _cpu_us(k_runs, n_ops, server=False),
+                        "memcpy_cpu_us_per_op": _cpu_us(m_runs, n_ops, server=False),
                         "lookup_round_trip_us": lookup_us,
                         "first_get_new_buffer_ms": first_ms,
                         "next_get_same_buffer_ms": next_ms,
@@ -189,6 +197,12 @@ def rows_for_size(
         c.close()
         stop_process(proc)
     return rows
+
+
+def _cpu_us(runs: list[Run], n_ops: int, *, server: bool) -> float:
+    per = [(r.server_cpu_s if server else r.client_cpu_s) / n_ops for r in runs]
+    median: float = statistics.median(per)
+    return round(median * 1e6, 1)
 
 
 def _resident_shared_bytes(pid: int) -> int | None:
@@ -223,13 +237,16 @@ def line(r: dict[str, Any]) -> str:
     return (
         f"{r['op']:14} {r['value_bytes'] // MiB:>4}Mi {r.get('batch', 1):>5} {r['concurrency']:>4} "
         f"{r['kvtier_GBps']:>11.3f} {r['memcpy_GBps']:>10.3f} {r['ratio_memcpy']:>6.2f} "
-        f"{r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['memcpy_p50_ms']:>10.3f}"
+        f"{r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['memcpy_p50_ms']:>10.3f} "
+        f"{r['daemon_cpu_us_per_op']:>9.1f} {r['client_cpu_us_per_op']:>9.1f} "
+        f"{r['memcpy_cpu_us_per_op']:>10.1f}"
     )
 
 
 HEADER = (
     f"{'op':14} {'value':>6} {'batch':>5} {'conc':>4} {'kvtier GB/s':>11} {'memcpy GB/s':>10} {'ratio':>6} "
-    f"{'p50 ms':>8} {'p99 ms':>8} {'memcpy p50':>10}"
+    f"{'p50 ms':>8} {'p99 ms':>8} {'memcpy p50':>10} {'daemon us':>9} {'client us':>9} "
+    f"{'memcpy us':>10}"
 )
 
 

@@ -17,6 +17,10 @@ each server process and of this client process (all threads), printed as
 ``server+client`` ms: per-request cost, which load on a shared machine disturbs far less
 than throughput.
 
+The independent-client rows (:mod:`._independent`) take both clients out: ``ab -k``
+against ``redis-benchmark``, GETs of one value, the servers' CPU per GET; skipped, with
+the reason printed, where either tool is missing.
+
 The soak runs 64 clients against a daemon whose host tier is smaller than the key
 space (so puts evict all the time), for ``--soak-s`` seconds: errors, wrong bytes and
 the daemon's RSS every second.
@@ -40,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench import _independent as independent
 from kvtier.bench import _same_host as same_host
 from kvtier.bench._daemon_load import Run, drive, start_kvtier, stop_process, versus
 from kvtier.bench.common import envelope, missing, write_json
@@ -416,6 +421,19 @@ def main(argv: list[str]) -> int:
     )
     ap.add_argument("--same-host-only", action="store_true", help="only the same-host rows")
     ap.add_argument(
+        "--independent-sizes",
+        default=",".join(str(s) for s in independent.SIZES),
+        help="value sizes of the independent-client rows (ab -k against redis-benchmark); "
+        "'' skips them",
+    )
+    ap.add_argument(
+        "--independent-concurrency",
+        default=",".join(str(c) for c in independent.CONCURRENCY),
+    )
+    ap.add_argument(
+        "--independent-only", action="store_true", help="only the independent-client rows"
+    )
+    ap.add_argument(
         "--batch",
         type=int,
         default=1,
@@ -426,9 +444,20 @@ def main(argv: list[str]) -> int:
     repeats = args.repeats or (5 if args.full else 2)
     target = (args.target_mib or (64 if args.full else 16)) * MiB
     soak_s = args.soak_s if args.soak_s is not None else (60.0 if args.full else 5.0)
-    sizes = [] if args.soak_only or args.same_host_only else [int(s) for s in args.sizes.split(",")]
-    sh_sizes = [] if args.soak_only else [int(s) for s in args.same_host_sizes.split(",") if s]
-    if args.same_host_only:
+    only_other = args.soak_only or args.same_host_only or args.independent_only
+    sizes = [] if only_other else [int(s) for s in args.sizes.split(",")]
+    sh_sizes = (
+        []
+        if args.soak_only or args.independent_only
+        else [int(s) for s in args.same_host_sizes.split(",") if s]
+    )
+    ind_sizes = (
+        []
+        if args.soak_only or args.same_host_only
+        else [int(s) for s in args.independent_sizes.split(",") if s]
+    )
+    ind_concs = [int(c) for c in args.independent_concurrency.split(",")]
+    if args.same_host_only or args.independent_only:
         soak_s = 0.0
     concs = [int(c) for c in args.concurrency.split(",")]
     service = "pip install 'kvtier[service]'"
@@ -439,11 +468,15 @@ def main(argv: list[str]) -> int:
         or missing("psutil", "the Redis rows (their CPU columns)", "pip install psutil")
     ):
         sizes = []
+    ind_skipped = independent.missing_tools() if ind_sizes else "not asked for"
+    if ind_sizes and ind_skipped is not None:
+        print(f"skipping the independent-client rows: {ind_skipped}")
+        ind_sizes = []
     if soak_s > 0 and missing("psutil", "the soak (it samples the RSS)", "pip install psutil"):
         soak_s = 0.0
 
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-daemon-"))
-    redis_server = RedisServer(tmp / "redis").start() if sizes else None
+    redis_server = RedisServer(tmp / "redis").start() if sizes or ind_sizes else None
     rows: list[dict[str, Any]] = []
     if sizes:
         print(
@@ -475,6 +508,23 @@ def main(argv: list[str]) -> int:
                             print(_line(row), flush=True)
                 finally:
                     stop_process(kproc)
+        ind_rows: list[dict[str, Any]] = []
+        if ind_sizes:
+            assert redis_server is not None and redis_server.proc is not None
+            print(independent.HEADER)
+            for size in ind_sizes:
+                for row in independent.rows_for_size(
+                    tmp,
+                    redis_server.port,
+                    redis_server.proc.pid,
+                    size,
+                    ind_concs,
+                    # Requests, not Python threads, are the cost here: 4x the bytes.
+                    target_bytes=4 * target,
+                    repeats=repeats,
+                ):
+                    ind_rows.append(row)
+                    print(independent.line(row), flush=True)
         sh_rows: list[dict[str, Any]] = []
         if sh_sizes:
             print(same_host.HEADER)
@@ -516,6 +566,13 @@ def main(argv: list[str]) -> int:
             f"ratio kvtier/redis: median {summary['median_ratio']}, min {summary['min_ratio']}, "
             f"{summary['points_meeting_target']}/{summary['points']} points >= 0.8"
         )
+    ind_summary = independent.summary(ind_rows, ind_skipped)
+    if ind_rows:
+        print(
+            f"independent clients, kvtier/redis-server req/s: min from 1 MiB "
+            f"{ind_summary['min_ratio_from_1MiB']}, min below "
+            f"{ind_summary['min_ratio_below_1MiB']}, median {ind_summary['median_ratio']}"
+        )
     sh_summary = same_host.summary(sh_rows)
     if sh_rows:
         print(
@@ -536,6 +593,8 @@ def main(argv: list[str]) -> int:
             summary=summary,
             same_host_rows=sh_rows,
             same_host_summary=sh_summary,
+            independent_rows=ind_rows,
+            independent_summary=ind_summary,
             settings={"repeats": repeats, "target_bytes": target, "full": args.full},
         ),
     )

@@ -15,6 +15,8 @@ chunks: 128 values of 3.5 MiB, 448 MiB) is put and got, batch at a time:
 Each target is a local ``redis-server`` started here (no persistence) and a local
 3-master Redis Cluster; pass ``--url``/``--cluster-nodes`` to use running ones instead.
 Contenders run interleaved; figures are medians with min and max, bytes verified.
+``cpu_x_ceiling`` is the ceiling's median CPU time per run over kvtier's (this process,
+every thread): > 1 when kvtier spends less; steadier than wall time on a shared machine.
 
 Run: ``kvtier bench redis --json F`` (``--tokens``, ``--model``, ``--tp``, ``--repeat``).
 """
@@ -22,9 +24,11 @@ Run: ``kvtier bench redis --json F`` (``--tokens``, ``--model``, ``--tp``, ``--r
 from __future__ import annotations
 
 import argparse
+import statistics
 import struct
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -215,9 +219,11 @@ def bench_target(
     rng = np.random.default_rng(1)
     keys = [ChunkKey(rng.bytes(16)) for _ in range(n)]
     puts, gets, dst, tier = contenders(t, keys, data, chunk)
+    put_cpu: dict[str, list[float]] = {}
+    get_cpu: dict[str, list[float]] = {}
     try:
-        put_s = interleaved(puts, repeat=repeat, warmup=1)
-        get_s = interleaved(gets, repeat=repeat, warmup=1)
+        put_s = interleaved(_cpu_timed(puts, put_cpu), repeat=repeat, warmup=1)
+        get_s = interleaved(_cpu_timed(gets, get_cpu), repeat=repeat, warmup=1)
         for name, out in dst.items():
             if not np.array_equal(out, data):
                 raise SystemExit(f"{t.name}/{name}: bytes read back differ from bytes written")
@@ -228,11 +234,35 @@ def bench_target(
         t.flush()
     ct = CHUNK_TOKENS[0]
     nbytes = data.nbytes
-    return [_row(t.name, "put", put_s, nbytes, ct), _row(t.name, "get", get_s, nbytes, ct)]
+    return [
+        _row(t.name, "put", put_s, nbytes, ct, put_cpu),
+        _row(t.name, "get", get_s, nbytes, ct, get_cpu),
+    ]
 
 
-def _row(target: str, op: str, s: dict[str, Sample], nbytes: int, ct: int) -> dict[str, Any]:
+def _cpu_timed(fns: dict[str, Fn], cpu: dict[str, list[float]]) -> dict[str, Fn]:
+    """``fns``, each also adding the CPU seconds it cost this process (every thread: the
+    tier's and the baselines' worker threads) to ``cpu[name]``, warm-up runs included."""
+
+    def timed(name: str, fn: Fn) -> Fn:
+        def run() -> None:
+            c0 = time.process_time()
+            fn()
+            cpu.setdefault(name, []).append(time.process_time() - c0)
+
+        return run
+
+    return {name: timed(name, fn) for name, fn in fns.items()}
+
+
+def _row(
+    target: str, op: str, s: dict[str, Sample], nbytes: int, ct: int, cpu: dict[str, list[float]]
+) -> dict[str, Any]:
     gbps = {k: v.rate(nbytes) / 1e9 for k, v in s.items()}
+    # Median client CPU of the timed runs (the first is the warm-up): on a loaded machine
+    # far steadier than wall time. cpu_x_ceiling > 1: kvtier spends less CPU than raw
+    # redis-py on the same bytes.
+    cpu_s = {k: statistics.median(v[1:] or v) for k, v in cpu.items()}
     return {
         "target": target,
         "op": op,
@@ -254,6 +284,8 @@ def _row(target: str, op: str, s: dict[str, Sample], nbytes: int, ct: int) -> di
             k: {"median": v.median_s, "min": v.min_s, "max": v.max_s, "runs": v.runs}
             for k, v in s.items()
         },
+        "client_cpu_s": {k: round(v, 4) for k, v in cpu_s.items()},
+        "cpu_x_ceiling": round(cpu_s["ceiling"] / cpu_s["kvtier"], 3),
     }
 
 
@@ -340,7 +372,7 @@ def main(argv: list[str]) -> int:
 
     print(
         f"{'target':<10} {'chunk':>5} {'op':<4} {'kvtier':>8} {'ceiling':>8} {'twokey':>8} "
-        f"{'x ceil':>7} {'x 2key':>7}   (GB/s)"
+        f"{'x ceil':>7} {'x 2key':>7} {'cpu x ceil':>10}   (GB/s)"
     )
     for r in rows:
         aes = (
@@ -351,7 +383,8 @@ def main(argv: list[str]) -> int:
         print(
             f"{r['target']:<10} {r['chunk_tokens']:>5} {r['op']:<4} {r['kvtier_GBps']:>8.3f} "
             f"{r['ceiling_GBps']:>8.3f} "
-            f"{r['twokey_GBps']:>8.3f} {r['vs_ceiling']:>7.2f} {r['vs_twokey']:>7.2f}{aes}"
+            f"{r['twokey_GBps']:>8.3f} {r['vs_ceiling']:>7.2f} {r['vs_twokey']:>7.2f} "
+            f"{r['cpu_x_ceiling']:>10.2f}{aes}"
         )
     key_dir.cleanup()
     write_json(

@@ -39,9 +39,11 @@ if [ ! -f "$stamp" ]; then
   if [ "$mode" = test ]; then touch "${stamp/setup-test-/setup-core-}"; fi
 fi
 
-if [ "$mode" = test ] && ! command -v redis-server >/dev/null 2>&1; then
-  echo "installing redis-server (Debian package) for the Redis tier tests"
+# redis-server for the Redis tier tests; apache2-utils (ab) for the independent-client rows
+# of `kvtier bench daemon`, which compare ab against redis-benchmark (redis-server's tools).
+if [ "$mode" = test ] && ! { command -v redis-server && command -v ab; } >/dev/null 2>&1; then
+  echo "installing redis-server and apache2-utils (Debian packages) for tests and benchmarks"
   if [ "$(id -u)" = 0 ]; then sudo=""; else sudo="sudo"; fi
   $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq redis-server >/dev/null
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq redis-server apache2-utils >/dev/null
 fi

@@ -5,7 +5,8 @@ It is uvicorn's httptools protocol (the ``http`` setting, :func:`protocol_class`
 three additions, and the one place the daemon builds on a server's internals (why, and
 what it buys: docs/architecture.md, "One request core"):
 
-* **Answers below ASGI.** When a plain keep-alive request's head is complete and nothing
+* **Answers below ASGI.** When a plain keep-alive request's head is complete (HTTP/1.1,
+  or HTTP/1.0 with ``Connection: keep-alive``, answered with the same) and nothing
   else is in flight on the connection, a ``GET``/``PUT /v1/chunks/{key}`` that the
   request core (:mod:`kvtier.service.core`) can serve at once is answered here, with the
   core's admission, budget, tenant counters, metrics and answer bytes, and no task,
@@ -107,6 +108,9 @@ class DataPlaneProtocol(HttpToolsProtocol):
         self._put: tuple[ChunkPut, _Into] | None = None
         self._closing = False
         self._plain_socket = False
+        # The request being answered is HTTP/1.0 asking to keep the connection: its
+        # answer must say so (``connection: keep-alive``), or the client closes it.
+        self._keep_alive_10 = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -141,8 +145,6 @@ class DataPlaneProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self._in_head:
-            if self._head_timer is None:
-                self._arm()
             end = head_end(self._tail, data)
             self._head_bytes += end if end >= 0 else len(data)
             self._tail = b"" if end >= 0 else (self._tail + data[-(len(_END) - 1) :])[-3:]
@@ -150,6 +152,11 @@ class DataPlaneProtocol(HttpToolsProtocol):
                 self._refuse()
                 return
         super().data_received(data)
+        # The head timer runs only while a head is incomplete after a read: a head that
+        # arrives whole in one read (nearly every request) never sets one. It starts at
+        # the read that brought the head's first bytes, as a timer set before it would.
+        if self._in_head and self._head_timer is None and not self.transport.is_closing():
+            self._arm()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -160,7 +167,6 @@ class DataPlaneProtocol(HttpToolsProtocol):
             self._in_head = True
             self._head_bytes = 0
             self._tail = b""
-            self._arm()
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -200,12 +206,19 @@ class DataPlaneProtocol(HttpToolsProtocol):
             or self.pipeline
             or self.flow.write_paused  # a client not reading: the ASGI path waits for it
             or self.expect_100_continue
-            or parser.get_http_version() != "1.1"
             or not parser.should_keep_alive()
             or parser.should_upgrade()
             or self.transport.is_closing()
         ):
             return False
+        # HTTP/1.0 too, when it asks to keep the connection (``Connection: keep-alive``,
+        # as ApacheBench's -k and other load tools send): uvicorn closes every 1.0
+        # connection after its answer, so without this each such request would pay a
+        # new connection as well as the ASGI path.
+        version = parser.get_http_version()
+        if version != "1.1" and version != "1.0":
+            return False
+        self._keep_alive_10 = version == "1.0"
         method = parser.get_method()
         try:
             if method == b"GET":
@@ -309,6 +322,8 @@ class DataPlaneProtocol(HttpToolsProtocol):
             head += [name, b": ", value, b"\r\n"]
         if self._closing:
             head.append(b"connection: close\r\n")
+        elif self._keep_alive_10:
+            head.append(b"connection: keep-alive\r\n")
         head.append(b"content-length: %d\r\n\r\n" % n)
         return b"".join(head)
 

@@ -211,6 +211,8 @@ def test_the_same_host_rows_run_on_a_prefaulted_arena(tmp_path: Path) -> None:
     assert {r["op"] for r in rows} == {"same_host_get", "same_host_put"}
     assert all(r["batch"] == 2 and r["ratio_memcpy"] > 0 for r in rows)
     assert all(r["daemon_shared_resident_bytes_at_start"] >= r["arena_bytes"] for r in rows)
+    # Every request costs the daemon and the client some CPU: the columns measure it.
+    assert all(r["daemon_cpu_us_per_op"] > 0 and r["client_cpu_us_per_op"] > 0 for r in rows)
 
 
 def test_the_moves_benchmark_moves_verifies_and_cleans_up(

@@ -270,3 +270,35 @@ def test_gets_sent_from_the_tier_arrive_whole_when_the_client_reads_late(daemon:
     assert all(body == vs[i] for (_, body), i in zip(got, order, strict=True))
     with httpx.Client(base_url=daemon.url, timeout=20) as h:  # no hold was left behind
         assert h.delete(f"/v1/chunks/{ks[0]}").status_code == 200
+
+
+def test_http_1_0_keep_alive_requests_share_one_connection(daemon: Daemon) -> None:
+    # HTTP/1.0 clients that ask to keep the connection (ApacheBench's -k) get answers
+    # that say so, and their next request is served on the same connection.
+    k, v = key(), os.urandom(100_003)
+    keep = b"Connection: keep-alive\r\n"
+    with socket.create_connection(_addr(daemon), timeout=20) as s:
+        put, get, again = _answers(
+            s,
+            [
+                f"PUT /v1/chunks/{k} HTTP/1.0\r\nContent-Length: {len(v)}\r\n".encode()
+                + keep
+                + b"\r\n"
+                + v,
+                f"GET /v1/chunks/{k} HTTP/1.0\r\n".encode() + keep + b"\r\n",
+                f"GET /v1/chunks/{k} HTTP/1.0\r\n".encode() + keep + b"\r\n",
+            ],
+        )
+    assert put[0] == 200 and b'"stored": 1' in put[2]
+    assert get == again and get[0] == 200 and get[2] == v
+    assert put[1]["connection"] == get[1]["connection"] == "keep-alive"
+
+
+def test_an_http_1_0_request_without_keep_alive_ends_its_connection(daemon: Daemon) -> None:
+    k, v = key(), os.urandom(1000)
+    with httpx.Client(base_url=daemon.url, timeout=20) as h:
+        assert h.put(f"/v1/chunks/{k}", content=v).status_code == 200
+    with socket.create_connection(_addr(daemon), timeout=20) as s:
+        ((status, headers, body),) = _answers(s, [f"GET /v1/chunks/{k} HTTP/1.0\r\n\r\n".encode()])
+        assert (status, body) == (200, v) and headers.get("connection") == "close"
+        assert s.recv(1) == b""  # closed by the daemon

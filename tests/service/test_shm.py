@@ -272,6 +272,7 @@ def test_hostile_frames_are_refused_and_the_daemon_keeps_serving(
     assert _ask(s, w.request(w.Op.HELLO, count=len(token)) + token.encode())[0] == 1  # twice
     # Counts that lie, or exceed the daemon's bound, and a frame over the bound.
     assert _ask(s, w.request(w.Op.LOOKUP, count=3) + key)[0] == w.Status.BAD_REQUEST
+    assert _ask(s, w.request(w.Op.LOOKUP, count=1) + key + b"x")[0] == w.Status.BAD_REQUEST
     assert _ask(s, w.request(w.Op.LOOKUP, count=2**32 - 1) + key)[0] == w.Status.TOO_LARGE
     huge = w.request(w.Op.LOOKUP, count=4096) + os.urandom(16 * 4096)  # over 1024 keys
     assert _ask(s, huge)[0] == w.Status.TOO_LARGE

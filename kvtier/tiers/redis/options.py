@@ -41,7 +41,8 @@ class Options:
     codec: str = "none"
     # Bytes per KV element for the lz4 byte-plane shuffle (2 for fp16/bf16, 1 for fp8).
     codec_element_bytes: int = 2
-    # Threads that run the per-node parts of one batch in parallel.
+    # Threads that run the per-node parts of one batch in parallel; each that reads
+    # keeps a buffer as large as the largest value it has read.
     fanout_threads: int = 8
     # Connections one node's part of a batch is spread over, in parallel.
     streams_per_node: int = 2

@@ -40,7 +40,7 @@ from kvtier.tiers.base import (
     TierSection,
 )
 from kvtier.tiers.economics import REDIS_10GBE_MANAGED
-from kvtier.tiers.redis import wire
+from kvtier.tiers.redis import reader, wire
 from kvtier.tiers.redis.nodes import NodeHealth, Nodes, Op
 from kvtier.tiers.redis.options import Options
 
@@ -92,6 +92,9 @@ class RedisTier(SharedTier):
             kvcodec.require(self.name)
         self._cipher = cipher_of(opts.encryption_key_file, f"tiers.{self.name}")
         self._closed = False
+        # Values read off the socket into a reused buffer (.reader), unless redis-py's
+        # connections expose no socket; then through redis-py's pipeline.
+        self._raw_reads = reader.supported()
         self.bind(namespace or Namespace("", "unbound", 0))
 
     # -- namespace -----------------------------------------------------------------------
@@ -185,15 +188,15 @@ class RedisTier(SharedTier):
         budget_s: float,
         step: Callable[[Any, list[int], Op], list[_R]],
     ) -> list[_R]:
-        """Run ``step`` on batches of at most ``batch_bytes`` of each node's chunks, each on
-        a fresh non-transactional pipeline; chunks of a node that is down, fails or runs
-        past ``budget_s`` are FAILED."""
+        """Run ``step`` (node client, batch, op) on batches of at most ``batch_bytes`` of
+        each node's chunks; chunks of a node that is down, fails or runs past
+        ``budget_s`` are FAILED."""
 
         def work(client: Any, idx: list[int], op: Op) -> list[_R]:
             out: list[_R] = []
             for batch in _batches(idx, item_bytes, self.options.batch_bytes):
                 op.check()
-                out.extend(step(client.pipeline(transaction=False), batch, op))
+                out.extend(step(client, batch, op))
             return out
 
         return self._nodes.execute(names, work, Op(budget_s), _R.FAILED)
@@ -209,7 +212,8 @@ class RedisTier(SharedTier):
         vb = run.value_bytes
         reasons: list[str] = []
 
-        def step(pipe: Any, batch: list[int], op: Op) -> list[_R]:
+        def step(client: Any, batch: list[int], op: Op) -> list[_R]:
+            pipe = client.pipeline(transaction=False)
             with op.guard():  # encode copies from src: never after the caller gave up
                 for i in batch:
                     value = wire.encode(
@@ -241,19 +245,34 @@ class RedisTier(SharedTier):
         px = self._px
         reasons: list[str] = []
 
-        def step(pipe: Any, batch: list[int], op: Op) -> list[_R]:
-            for i in batch:
-                # GETEX slides the TTL on a hit: hot chunks stay, cold ones expire.
-                if px is None:
-                    pipe.get(names[i])
-                else:
-                    pipe.getex(names[i], px=px)
-            values = pipe.execute(raise_on_error=False)
-            with op.guard():  # dst is the caller's: never touched after it gave up
-                return [
-                    self._decode(run.keys[i], v, dst[i * vb : (i + 1) * vb], reasons)
-                    for i, v in zip(batch, values, strict=True)
-                ]
+        def step(client: Any, batch: list[int], op: Op) -> list[_R]:
+            # GETEX slides the TTL on a hit: hot chunks stay, cold ones expire.
+            if not self._raw_reads:
+                pipe = client.pipeline(transaction=False)
+                for i in batch:
+                    if px is None:
+                        pipe.get(names[i])
+                    else:
+                        pipe.getex(names[i], px=px)
+                values = pipe.execute(raise_on_error=False)
+                with op.guard():  # dst is the caller's: never touched after it gave up
+                    return [
+                        self._decode(run.keys[i], v, dst[i * vb : (i + 1) * vb], reasons)
+                        for i, v in zip(batch, values, strict=True)
+                    ]
+            out: list[_R] = []
+            replies = reader.get_values(client.connection_pool, [names[i] for i in batch], px)
+            try:
+                for i, v in zip(batch, replies, strict=True):
+                    # Verified and copied from this thread's buffer into dst, which is
+                    # the caller's: never touched after it gave up.
+                    with op.guard():
+                        out.append(
+                            self._decode(run.keys[i], v, dst[i * vb : (i + 1) * vb], reasons)
+                        )
+            finally:
+                replies.close()  # early (a cancel): the connection is dropped
+            return out
 
         res = self._pipelined(names, vb + wire.HEADER_BYTES, self.options.op_budget_s, step)
         corrupt = [n for n, r in zip(names, res, strict=True) if r is _R.CORRUPT]

@@ -182,6 +182,47 @@ def test_ttl_is_set_on_write(make, redis_server: RedisServer) -> None:
     assert redis_server.client().pttl(plain.redis_key(key(2))) == -1  # no expiry
 
 
+def test_a_read_slides_the_ttl(make, redis_server: RedisServer) -> None:
+    tier = make(ttl_s=600.0)
+    runs, data = put(tier, [key(1), key(2)])
+    r = redis_server.client()
+    for k in (key(1), key(2)):
+        r.pexpire(tier.redis_key(k), 5_000)
+    assert np.array_equal(read(tier, runs), data)
+    assert all(r.pttl(tier.redis_key(k)) > 500_000 for k in (key(1), key(2)))
+
+
+def test_an_error_reply_fails_the_read_and_the_next_read_is_whole(
+    make, redis_server: RedisServer
+) -> None:
+    # A key of another type answers GET with an error: that chunk fails, the batch's
+    # other replies are still read, and the connection serves the next read correctly.
+    tier = make()
+    keys = [key(i) for i in range(6)]
+    runs, data = put(tier, keys)
+    r = redis_server.client()
+    bad = tier.redis_key(keys[2])
+    r.delete(bad)
+    r.rpush(bad, b"x")
+    with pytest.raises(TierIOError, match="WRONGTYPE"):
+        read(tier, runs)
+    r.delete(bad)
+    (fixed,) = tier.allocate(1)
+    tier.write(SlotRun(fixed.offset, (keys[2],), SLOT), memoryview(data[2 * SLOT : 3 * SLOT]))
+    for _ in range(3):
+        assert np.array_equal(read(tier, runs), data)
+
+
+def test_reads_of_values_shorter_than_a_slot_and_of_many_batches_round_trip(make) -> None:
+    # Values of an odd size, in batches of two (a reply's line and value cut across
+    # socket reads at every offset), read again and again on the same connections.
+    tier = make(batch_bytes=2 * (1001 + wire.HEADER_BYTES))
+    keys = [key(i) for i in range(40)]
+    runs, data = put(tier, keys, value_bytes=1001)
+    for _ in range(3):
+        assert np.array_equal(read(tier, runs), data)
+
+
 def bf16_like(n_bytes: int, seed: int = 0) -> np.ndarray:
     """bf16 values of a smooth distribution (compressible high bytes, noisy low bytes)."""
     f = np.random.default_rng(seed).normal(0, 1, n_bytes // 2).astype(np.float32)
