@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from .conftest import Daemon, DaemonFactory, kvtier_cmd
+from .conftest import Daemon, DaemonFactory, free_port, kvtier_cmd
 
 VALUE = 256 << 10  # one slot of every tier (service.max_value_bytes)
 TOKENS = {
@@ -210,6 +210,14 @@ def test_the_tenants_command_refuses_a_bad_token_and_says_when_there_are_no_figu
 ) -> None:
     out = _cli(worked, token="not-a-token")
     assert out.returncode == 2
+    assert "error:" in out.stderr
+    out = subprocess.run(
+        [*kvtier_cmd(), "tenants", "--url", f"http://127.0.0.1:{free_port()}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2  # nothing listens there
     assert "error:" in out.stderr
     out = _cli(daemon)  # a daemon without [tenants]
     assert out.returncode == 1
