@@ -4,7 +4,9 @@ A peer given the wrong key file (or a key rotated on one daemon only) cannot ope
 values the other sealed. It must treat them as absent, not as corrupt: a reader that
 deleted every value failing its tag would wipe the shared cache. Both daemons are real
 ``kvtier serve`` processes over a real ``redis-server``, sharing the key salt (so a client
-key names the same chunk in both), each with its own master key file.
+key names the same chunk in both), each with its own master key file. Last, the tenants of
+one daemon: one who knows another's client keys and can write to Redis still opens none of
+the other's values.
 """
 
 from __future__ import annotations
@@ -112,3 +114,57 @@ def test_a_flipped_byte_under_the_daemons_own_key_is_a_counted_miss(
         assert _corrupt(ca) == 1
         assert r.exists(names[0]) == 0  # its own key's value: deleted, so a put heals it
         assert r.exists(names[1]) == 1
+
+
+def test_a_tenant_cannot_open_anothers_sealed_values_even_with_its_keys_and_redis_access(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Hostile: Bob knows Alice's client keys and can write to Redis. Asking for her keys
+    gives him misses; her sealed values copied over his own Redis values open for nobody
+    (another tenant's AES key): each is a miss and a counted corruption, never her bytes."""
+    from kvtier.service.client import Client
+
+    prefix = f"tenants-{uuid.uuid4().hex[:8]}"
+    tokens = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789ab"}
+    cfg = sealed_config(tmp_path, "t", redis_server.url, prefix)
+    cfg.write_text(
+        cfg.read_text()
+        + "\n[service.tokens]\n"
+        + "".join(f'{t} = "{tok}"\n' for t, tok in tokens.items())
+        # One chunk each in the host tier; the rest goes down to Redis, sealed.
+        + f'\n[tenants]\ndefault_quota = {{ host = "{CHUNK}" }}\n'
+    )
+    rng = np.random.default_rng(7)
+    keys = [rng.bytes(16).hex() for _ in range(4)]
+    theirs = [rng.bytes(CHUNK) for _ in keys]
+    mine = [rng.bytes(CHUNK) for _ in keys]
+    r = redis_server.client()
+    d = Daemon(cfg, tmp_path / "daemon-t.log")
+    try:
+        with Client(d.url, tokens["alice"]) as alice, Client(d.url, tokens["bob"]) as bob:
+            for k, v in zip(keys, theirs, strict=True):
+                assert alice.put(k, v).stored == 1
+            assert alice.lookup(keys).tiers == ("redis", "redis", "redis", "host")
+            alices = sorted(r.scan_iter(match=f"{prefix}:*", count=1000))
+            assert len(alices) == 3
+
+            # Her keys, guessed or leaked, name other chunks for him: all misses.
+            assert bob.lookup(keys).hits == 0
+            assert all(bob.get(k) is None for k in keys)
+
+            for k, v in zip(keys, mine, strict=True):
+                assert bob.put(k, v).stored == 1
+            bobs = sorted(set(r.scan_iter(match=f"{prefix}:*", count=1000)) - set(alices))
+            assert len(bobs) == 3
+            assert not any(v[1000:1064] in r.get(n) for n in alices + bobs for v in theirs + mine)
+            for ours, hers in zip(bobs, alices, strict=True):
+                r.set(ours, r.get(hers))  # her sealed value, header and all, under his name
+
+            got = [bob.get(k) for k in keys]
+            assert not any(g in theirs for g in got)  # never her bytes
+            assert got == [None, None, None, mine[3]]  # his three in Redis: misses
+            assert _corrupt(bob) == 3
+            assert [alice.get(k) for k in keys] == theirs  # hers untouched
+    finally:
+        rc = d.stop()
+        assert rc in (0, -signal.SIGTERM), d.log.read_text()
