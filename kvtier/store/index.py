@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from kvtier.keys import ChunkKey
 from kvtier.store.policy import EvictionFactory, EvictionPolicy, PlacementPolicy
-from kvtier.store.quota import QuotaBooks, Quotas, tag_of
+from kvtier.store.quota import QuotaBooks, Quotas, TenantOrders
 from kvtier.store.types import Counters, EventKind, StoreEvent, StoreStats
 from kvtier.tiers.base import PersistentTier, SlotRun, Tier
 
@@ -149,7 +149,9 @@ class StoreIndex:
         self._entries: dict[ChunkKey, Entry] = {}
         # Keys a put has claimed but not yet indexed: a second put skips them.
         self._pending: set[ChunkKey] = set()
-        self._evict: list[EvictionPolicy] = [eviction() for _ in self.tiers]
+        # With quotas, each tier's order also keeps each tenant's (prepare_quota).
+        self._orders = None if quotas is None else [TenantOrders(eviction) for _ in self.tiers]
+        self._evict: list[EvictionPolicy] = [*(self._orders or (eviction() for _ in tiers))]
         self._tier_hits = [0] * len(self.tiers)
         self._failures: dict[tuple[str, str], int] = {}
         # Index changes go out as INDEXED / UNINDEXED events, under the lock (so their
@@ -526,9 +528,10 @@ class StoreIndex:
                 return Room.FREE
             need = -(-over // self.tiers[t].slot_bytes)  # chunks
             keys: list[ChunkKey] = []
-            for key in self._evict[t].candidates() if evict else ():
+            orders = self._orders[t].candidates_of(tag) if evict and self._orders else ()
+            for key in orders:
                 e = self._entries.get(key)
-                if tag_of(key) == tag and not (e is None or e.pins or e.moving or e.slot.readers):
+                if not (e is None or e.pins or e.moving or e.slot.readers):
                     keys.append(key)
                     if len(keys) >= need:
                         break

@@ -3,11 +3,14 @@ tiers within its quota there, and never another tenant's."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from kvtier.config import Switch
 from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
+from kvtier.store.policy import LRUEviction
 from kvtier.store.quota import Quotas, tag_key, tenant_tag
 from kvtier.tiers.base import TierGeometry
 from kvtier.tiers.cxl import CXLTier
@@ -64,6 +67,42 @@ def test_a_run_longer_than_the_quota_keeps_its_head_on_top() -> None:
         r = s.put(keys, np.ones(5 * SLOT, dtype=np.uint8)).result()
         assert r.stored == 5
         assert s.lookup(keys).tiers == ("top", "top", "low", "low", "low")
+    finally:
+        s.close()
+
+
+class CountingLRU(LRUEviction):
+    """LRU that counts the chunks every eviction order offers as victims."""
+
+    offered = 0
+
+    def candidates(self) -> Iterator[ChunkKey]:
+        for key in super().candidates():
+            CountingLRU.offered += 1
+            yield key
+
+
+def test_a_tenant_over_its_quota_is_not_slowed_by_other_tenants_colder_chunks() -> None:
+    # b's 2,000 chunks are all colder than a's. Each of a's puts past its quota must find
+    # a's coldest without walking past b's: the victims offered stay a few per put.
+    n_b, n_a = 2000, 200
+    top = HostTier(
+        TierGeometry("top", (n_b + 8) * SLOT, SLOT, 1 << 30),
+        Options(pin=Switch.OFF, prefault=False),
+    )
+    s = TieredStore(
+        [top], io_threads=2, eviction=CountingLRU, quotas=Quotas({"a": {0: 4 * SLOT}}, {})
+    )
+    try:
+        value = np.ones(SLOT, dtype=np.uint8)
+        for i in range(n_b):
+            assert s.put([key("b", i)], value).result().stored == 1
+        CountingLRU.offered = 0
+        for i in range(n_a):
+            assert s.put([key("a", i)], value).result().stored == 1
+        assert CountingLRU.offered <= 2 * n_a
+        assert [s.lookup([key("a", i)]).tiers for i in range(n_a - 5, n_a)] == [()] + [("top",)] * 4
+        assert s.lookup([key("b", i) for i in range(n_b)]).hits == n_b
     finally:
         s.close()
 
