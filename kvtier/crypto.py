@@ -36,6 +36,7 @@ TAG = 16
 OVERHEAD = NONCE + TAG
 """Bytes a sealed value takes beyond the value itself."""
 _INFO = b"kvtier/at-rest/v1\0"
+_KEY_ID_INFO = b"kvtier/at-rest/key-id/v1"
 _CHECK = b"kvtier master key check"
 _CACHE = 4096  # derived keys kept; tenants are few, untagged keys get one per prefix
 
@@ -99,6 +100,13 @@ class Cipher:
         self._master = master
         self._keys: dict[bytes, Any] = {}
         self._lock = threading.Lock()
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+        # Names the master key without revealing it (HKDF output under its own info is
+        # independent of the AES keys): a shared tier keeps values sealed under
+        # different master keys apart by it (kvtier.tiers.redis).
+        self.key_id = HKDF(hashes.SHA256(), 8, salt=None, info=_KEY_ID_INFO).derive(master).hex()
 
     def _for(self, tag: bytes) -> Any:
         aead = self._keys.get(tag)

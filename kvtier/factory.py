@@ -129,7 +129,9 @@ def build_store(
     quotas = None
     if cfg.tenants.enabled:
         named, default = cfg.tenants.limits([t.name for t in tiers])
-        quotas = Quotas(named, default)
+        # Figures are kept by name for the tenants the quotas name and the anonymous one;
+        # the others (tokens not named there, a connector's cache salts) fold together.
+        quotas = Quotas(named, default, also_named=[""])
     store = TieredStore(
         tiers,
         quotas=quotas,

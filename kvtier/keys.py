@@ -109,6 +109,7 @@ class ChunkHasher:
         token_ids: Sequence[int] | npt.NDArray[Any],
         extra: bytes = b"",
         parent: ChunkKey | None = None,
+        tag: bytes = b"",
     ) -> list[ChunkKey]:
         """Keys of every *full* chunk of ``token_ids`` (a trailing partial chunk has no key).
 
@@ -119,6 +120,9 @@ class ChunkHasher:
                 salt, multimodal hashes). Mixed into the first chunk; chaining carries it
                 into every later key.
             parent: key of the chunk before ``token_ids[0]``, to extend a known prefix.
+            tag: bytes that replace the start of every key (a tenant's tag,
+                :mod:`kvtier.store.quota`), before it seeds the next: a prefix extended
+                from a tagged ``parent`` gets the keys a whole-prompt call gives.
         """
         buf = memoryview(token_bytes(token_ids))
         step = self.chunk_tokens * 4
@@ -132,7 +136,7 @@ class ChunkHasher:
             if i == 0 and extra:
                 h.update(extra)
             h.update(buf[i * step : (i + 1) * step])
-            prev = ChunkKey(h.digest())
+            prev = ChunkKey(tag + h.digest()[len(tag) :] if tag else h.digest())
             out.append(prev)
         return out
 

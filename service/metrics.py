@@ -10,12 +10,13 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import fields
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvtier.store.quota import TenantFigures
 from kvtier.store.types import PolicyCount, StoreStats
 
 # Request latency buckets, in seconds: 100 µs to 10 s.
@@ -188,6 +189,41 @@ def store_exposition(stats: StoreStats) -> list[str]:
             for t in stats.tiers
         ]
     return out + placement_exposition(stats)
+
+
+# The per-tenant, per-tier figures: (field of TierFigures, Prometheus type, help).
+_TENANT_TIER = (
+    ("lookup_hit_chunks", "counter", "Chunks lookups found in the tier"),
+    ("read_chunks", "counter", "Chunks gets served from the tier"),
+    ("read_bytes", "counter", "Value bytes gets served from the tier"),
+    ("stored_chunks", "counter", "Chunks written into the tier (new values and moves into it)"),
+    ("stored_bytes", "counter", "Value bytes written into the tier"),
+    ("evicted_chunks", "counter", "Chunks that left the tier to make room (demoted or dropped)"),
+    ("quota_used_bytes", "gauge", "Bytes the tenant's chunks take in the tier (a slot each)"),
+    ("quota_limit_bytes", "gauge", "The tenant's byte quota in the tier (absent: unlimited)"),
+)
+
+
+def tenant_figures_exposition(figures: Sequence[TenantFigures]) -> list[str]:
+    """Per-tenant, per-tier series of the store (none without ``[tenants]``). Labels:
+    the tenants the configuration names and ``(other)`` (:mod:`kvtier.store.quota`)."""
+    if not figures:
+        return []
+    metric = "kvtier_tenant_store_lookup_miss_chunks_total"
+    out = [
+        f"# HELP {metric} Chunks lookups asked for and no tier held, by tenant.",
+        f"# TYPE {metric} counter",
+    ]
+    out += [f'{metric}{{tenant="{f.tenant}"}} {f.lookup_miss_chunks}' for f in figures]
+    for name, kind, what in _TENANT_TIER:
+        metric = f"kvtier_tenant_tier_{name}" + ("_total" if kind == "counter" else "")
+        out += [f"# HELP {metric} {what}, by tenant.", f"# TYPE {metric} {kind}"]
+        for f in figures:
+            for t in f.tiers:
+                value = getattr(t, name)
+                if value is not None:
+                    out.append(f'{metric}{{tenant="{f.tenant}",tier="{t.tier}"}} {value}')
+    return out
 
 
 def placement_exposition(stats: StoreStats) -> list[str]:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, create_model
 
+from kvtier.store.quota import TenantFigures, TierFigures
 from kvtier.store.types import PolicyCount, StoreStats
 from kvtier.tiers.base import TierStats
 
@@ -79,6 +80,12 @@ _DOCS = {
     "media_bytes_written": "Bytes that reached the medium (codec, padding, journal included).",
     "adopted_chunks": "Chunks found in a shared tier (stored by another process) and indexed.",
     "tier_hits": "Chunks served, by tier name.",
+    "lookup_miss_chunks": "Chunks lookups asked for and no tier held.",
+    "lookup_hit_chunks": "Chunks lookups found.",
+    "stored_chunks": "Chunks written into the tier: new values, and moves into it.",
+    "evicted_chunks": "Chunks that left the tier to make room (demoted or dropped).",
+    "quota_used_bytes": "Bytes the tenant's chunks take in the tier now (a slot each).",
+    "quota_limit_bytes": "The tenant's quota in the tier; null: unlimited.",
 }
 
 
@@ -150,6 +157,7 @@ if TYPE_CHECKING:  # the models are built at import time; mypy sees their base
     StoreStatsModel = Strict
     LimitsModel = Strict
     TenantStatsModel = Strict
+    TenantFiguresModel = Strict
 else:
     TierStatsModel = model_of(TierStats, "TierStatsModel", "One tier's counters.")
     PolicyCountModel = model_of(
@@ -163,6 +171,16 @@ else:
     )
     LimitsModel = model_of(
         Limits, "LimitsModel", "The daemon's limits, so clients can size their batches."
+    )
+    TierFiguresModel = model_of(
+        TierFigures, "TierFiguresModel", "One tenant's figures in one tier."
+    )
+    TenantFiguresModel = model_of(
+        TenantFigures,
+        "TenantFiguresModel",
+        "One tenant's store figures, per tier (a tenant the configuration names, or "
+        "'(other)' for all the others).",
+        {TierFigures: TierFiguresModel},
     )
     TenantStatsModel = create_model(
         "TenantStatsModel",
@@ -185,3 +203,7 @@ class StatsResponse(Strict):
     tenant: TenantStatsModel
     store: StoreStatsModel
     limits: LimitsModel
+    tenants: list[TenantFiguresModel] = Field(
+        description="Per-tenant, per-tier store figures of every tenant (empty without "
+        "[tenants]: keys then carry no tenant)."
+    )

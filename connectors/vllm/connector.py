@@ -252,7 +252,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             model = str(vllm_config.model_config.model)
             ident = weights_identity(vllm_config, model_version_from_extra(extra))
             log_identity(model, ident)
-            scheme = KeyScheme(model, spec, self.cfg.store.chunk_tokens, ident.fingerprint)
+            scheme = KeyScheme(
+                model,
+                spec,
+                self.cfg.store.chunk_tokens,
+                ident.fingerprint,
+                tenants=self.cfg.tenants.enabled and self.daemon is None,  # as the workers'
+            )
             per_rank = replace(spec, tp_rank=0)
             stores = storing_ranks(spec, vllm_config.parallel_config.world_size)
             refusal = load_refusal(vllm_config)

@@ -27,6 +27,7 @@ import xxhash
 
 from kvtier.spec import KVSpec, LayerKind
 
+from .keys import keep_tag
 from .settings import ChunkShape
 
 NULL = -1
@@ -56,12 +57,14 @@ class GroupLayout:
 
     groups: tuple[GroupPlan, ...]
     blocks_per_chunk: int
+    # Group keys keep the logical key's tenant tag (keys.py, with tenants).
+    tenants: bool = False
 
     @classmethod
-    def of(cls, spec: KVSpec, shape: ChunkShape) -> GroupLayout:
+    def of(cls, spec: KVSpec, shape: ChunkShape, *, tenants: bool = False) -> GroupLayout:
         bpc = shape.blocks_per_chunk
         if not spec.groups:
-            return cls((GroupPlan(0, False, bpc),), bpc)
+            return cls((GroupPlan(0, False, bpc),), bpc, tenants)
         plans = []
         for i, g in enumerate(spec.groups):
             if g.kind is LayerKind.SLIDING:
@@ -70,7 +73,7 @@ class GroupLayout:
                 plans.append(GroupPlan(i, True, tail, -(-w // shape.chunk_tokens)))
             else:
                 plans.append(GroupPlan(i, False, bpc))
-        return cls(tuple(plans), bpc)
+        return cls(tuple(plans), bpc, tenants)
 
     @property
     def hybrid(self) -> bool:
@@ -82,12 +85,12 @@ class GroupLayout:
         """The group whose entries count a hit's tokens: the first full-attention one."""
         return next((g.index for g in self.groups if not g.sliding), 0)
 
-    @staticmethod
-    def key(logical: bytes, group: int) -> bytes:
+    def key(self, logical: bytes, group: int) -> bytes:
         """The key of group ``group``'s entry of a chunk (group 0: the logical key)."""
         if group == 0:
             return logical
-        return xxhash.xxh3_128_digest(logical + b"\0kvtier/group\0" + str(group).encode())
+        key = xxhash.xxh3_128_digest(logical + b"\0kvtier/group\0" + str(group).encode())
+        return keep_tag(logical, key) if self.tenants else key
 
     def keys_of(self, logical: bytes) -> list[bytes]:
         return [self.key(logical, g.index) for g in self.groups]

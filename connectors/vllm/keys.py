@@ -10,6 +10,13 @@ Keys, in two levels:
   worker's KV-spec fingerprint (which holds the TP rank and size), its pipeline stage and
   the byte layout of its pages. Each rank holds only its own heads and layers, so ranks
   never share entries, and two layouts (or dtypes) never read each other's bytes.
+
+With tenants (an embedded store whose configuration has ``[tenants]``), a request's
+``cache_salt`` names its tenant: the first bytes of each logical key are then the
+tenant's tag (:mod:`kvtier.store.quota`), and the rank and group keys derived from it
+keep them, so the worker's store charges each chunk to its tenant's quotas and figures.
+A request without a salt is the anonymous tenant ``""``. Without tenants every key is
+as it always was.
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ import xxhash
 
 from kvtier.keys import ChunkHasher, ChunkKey, Namespace
 from kvtier.spec import KVSpec
+from kvtier.store.quota import TAG_BYTES, tenant_tag
+
+_TENANTS = b"tenants\0"
+"""The end of a rank salt whose rank keys keep their logical key's tenant tag."""
 
 
 def request_extra(lora_name: str | None, cache_salt: str | None) -> bytes:
@@ -42,12 +53,15 @@ class KeyScheme:
         spec: the KV spec of rank 0 (``tp_rank=0``): the logical namespace.
         chunk_tokens: tokens per chunk, a multiple of vLLM's block size.
         weights: the weights' identity (weights.py); empty: the model's name alone.
+        tenants: logical keys carry the tag of the tenant their request's cache salt
+            names (see the module docstring).
     """
 
     model: str
     spec: KVSpec
     chunk_tokens: int
     weights: str = ""
+    tenants: bool = False
 
     def hasher(self) -> ChunkHasher:
         logical = replace(self.spec, tp_rank=0)
@@ -56,17 +70,36 @@ class KeyScheme:
         )
 
     def logical_keys(
-        self, token_ids: Sequence[int], extra: bytes = b"", parent: ChunkKey | None = None
+        self,
+        token_ids: Sequence[int],
+        extra: bytes = b"",
+        parent: ChunkKey | None = None,
+        tag: bytes = b"",
     ) -> list[ChunkKey]:
         """Keys of every full chunk of ``token_ids`` (see :meth:`ChunkHasher.keys`)."""
-        return self.hasher().keys(token_ids, extra, parent)
+        return self.hasher().keys(token_ids, extra, parent, tag)
+
+    def tag(self, cache_salt: str | None) -> bytes:
+        """The tenant tag the logical keys of a request with ``cache_salt`` carry (the
+        ``tag`` of :meth:`ChunkHasher.keys`); empty without tenants."""
+        return tenant_tag(cache_salt or "") if self.tenants else b""
 
 
-def rank_salt(spec: KVSpec, pp_rank: int, layout: str) -> bytes:
-    """The per-worker prefix of rank keys: TP rank (in the fingerprint), PP stage, layout."""
-    return f"kvtier/vllm/rank/v1\0{spec.fingerprint}\0pp{pp_rank}\0{layout}\0".encode()
+def rank_salt(spec: KVSpec, pp_rank: int, layout: str, *, tenants: bool = False) -> bytes:
+    """The per-worker prefix of rank keys: TP rank (in the fingerprint), PP stage, layout;
+    with ``tenants``, a mark that its rank keys keep their tenant tag (the scheduler side
+    reads the salt from the worker's updates, so it derives the same keys)."""
+    salt = f"kvtier/vllm/rank/v1\0{spec.fingerprint}\0pp{pp_rank}\0{layout}\0".encode()
+    return salt + _TENANTS if tenants else salt
 
 
 def rank_keys(salt: bytes, logical: Sequence[bytes]) -> list[ChunkKey]:
     """Rank keys of logical keys (deterministic, 16 bytes each)."""
+    if salt.endswith(_TENANTS):
+        return [keep_tag(k, xxhash.xxh3_128_digest(salt + k)) for k in logical]
     return [ChunkKey(xxhash.xxh3_128_digest(salt + k)) for k in logical]
+
+
+def keep_tag(logical: bytes, derived: bytes) -> ChunkKey:
+    """``derived`` with the tenant tag of the ``logical`` key it derives from."""
+    return ChunkKey(logical[:TAG_BYTES] + derived[TAG_BYTES:])

@@ -194,7 +194,7 @@ class SchedulerSide:
         sync_failures_recover: bool = True,
     ) -> None:
         self.scheme = scheme
-        self.layout = layout or GroupLayout.of(scheme.spec, shape)
+        self.layout = layout or GroupLayout.of(scheme.spec, shape, tenants=scheme.tenants)
         # vLLM's null block id (a placeholder in the block tables of sliding-window
         # groups); the connector sets the pool's (bind_gpu_block_pool), block 0 until then.
         self.null_block_id = 0
@@ -267,7 +267,9 @@ class SchedulerSide:
             return memo[1]
         tokens = request.all_token_ids[: n_chunks * self.chunk_tokens]
         extra = _extra(request)
-        keys: list[bytes] = list(self.hasher.keys(tokens, extra))
+        keys: list[bytes] = list(
+            self.hasher.keys(tokens, extra, None, self.scheme.tag(request.cache_salt))
+        )
         self._memo[request.request_id] = (n_chunks, keys)
         return keys
 
@@ -501,7 +503,8 @@ class SchedulerSide:
             parent = st.keys[-1] if st.keys else None
             tokens = req.all_token_ids[len(st.keys) * C : n_full * C]
             extra = b"" if parent is not None else st.extra
-            st.keys.extend(self.hasher.keys(tokens, extra, parent))  # type: ignore[arg-type]
+            tag = self.scheme.tag(req.cache_salt)
+            st.keys.extend(self.hasher.keys(tokens, extra, parent, tag))  # type: ignore[arg-type]
         for g in self.layout.groups:
             keys: list[bytes] = []
             blocks: list[int] = []

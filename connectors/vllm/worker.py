@@ -123,7 +123,10 @@ class WorkerSide:
         self.block_size = shape.block_size
         self.chunk_tokens = shape.chunk_tokens
         self.blocks_per_chunk = shape.blocks_per_chunk
-        self.layout = GroupLayout.of(spec, shape)
+        # With [tenants] an embedded store keeps quotas and figures per cache salt
+        # (keys.py); a daemon keeps them per token instead.
+        self.tenants = cfg.tenants.enabled and daemon is None
+        self.layout = GroupLayout.of(spec, shape, tenants=self.tenants)
         self.group_layers = group_layers
         self.mover: BlockMover | None = None
         self.movers: list[BlockMover] = []  # per KV-cache group; movers[0] is self.mover
@@ -182,7 +185,7 @@ class WorkerSide:
             m.block_bytes * g.tail_blocks
             for m, g in zip(self.movers, self.layout.groups, strict=True)
         )
-        self._salt = rank_salt(self.spec, self.pp_rank, self.mover.layout)
+        self._salt = rank_salt(self.spec, self.pp_rank, self.mover.layout, tenants=self.tenants)
         if self.daemon is not None:
             self.store = RemoteStore(self.daemon, value_bytes)
             self._announce = frozenset({self._salt})

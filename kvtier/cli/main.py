@@ -1,4 +1,4 @@
-"""``kvtier``: info, demo, serve, bench, calc. The composition root of kvtier.
+"""``kvtier``: info, demo, serve, tenants, bench, calc. The composition root of kvtier.
 
 The core (everything under ``kvtier/`` but this package) names none of the parts above
 it; here they are put together: before any command runs, :func:`compose` adds
@@ -162,6 +162,40 @@ def serve(
         )
         raise typer.Exit(2) from None
     run_server(cfg)
+
+
+@app.command()
+def tenants(
+    url: Annotated[
+        str, typer.Option(envvar="KVTIER_URL", help="The daemon's base URL.")
+    ] = "http://127.0.0.1:8470",
+    token: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(
+            envvar="KVTIER_TOKEN",
+            help="A tenant's bearer token, when the daemon has tokens (prefer the "
+            "KVTIER_TOKEN variable: a command line is visible to other users).",
+        ),
+    ] = None,
+    ca_file: Annotated[
+        Optional[str],  # noqa: UP045
+        typer.Option(help="PEM file of the CA that signed an https:// daemon's certificate."),
+    ] = None,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print the figures as JSON instead of a table.")
+    ] = False,
+    timeout_s: Annotated[float, typer.Option(help="Seconds to wait for the daemon.")] = 10.0,
+) -> None:
+    """Print a running daemon's per-tenant, per-tier figures: hits, misses, bytes stored
+    and read, evictions, quota use."""
+    try:
+        from kvtier.cli.tenants import run_tenants
+    except ImportError as exc:
+        print_error(
+            console, f"this command needs the service extra: pip install 'kvtier[service]' ({exc})"
+        )
+        raise typer.Exit(2) from None
+    raise typer.Exit(run_tenants(url, token, ca_file, as_json=json_out, timeout_s=timeout_s))
 
 
 @app.command(

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 from kvtier.keys import ChunkKey
 from kvtier.store.policy import EvictionFactory, EvictionPolicy, PlacementPolicy
-from kvtier.store.quota import QuotaBooks, Quotas, tag_of
-from kvtier.store.types import EventKind, StoreEvent, StoreStats
+from kvtier.store.quota import QuotaBooks, Quotas, TenantOrders
+from kvtier.store.types import Counters, EventKind, StoreEvent, StoreStats
 from kvtier.tiers.base import PersistentTier, SlotRun, Tier
 
 log = logging.getLogger(__name__)
@@ -67,31 +67,6 @@ class Entry:
         self.slot = slot
         self.pins = 0
         self.moving = False
-
-
-@dataclass(slots=True)
-class Counters:
-    """The store's monotonic counters; :meth:`StoreIndex.stats` freezes them into
-    :class:`StoreStats`, whose fields of the same names they fill (a field missing on
-    either side fails the first ``stats()`` call, which every store test makes)."""
-
-    lookups: int = 0
-    lookup_hit_chunks: int = 0
-    lookup_miss_chunks: int = 0
-    gets: int = 0
-    get_chunks: int = 0
-    get_bytes: int = 0
-    puts: int = 0
-    put_chunks: int = 0
-    put_present: int = 0
-    put_rejected: int = 0
-    demoted_chunks: int = 0
-    promoted_chunks: int = 0
-    dropped_chunks: int = 0
-    deleted_chunks: int = 0
-    corrupt_chunks: int = 0
-    tier_errors: int = 0
-    adopted_chunks: int = 0
 
 
 class Room(enum.Enum):
@@ -174,7 +149,9 @@ class StoreIndex:
         self._entries: dict[ChunkKey, Entry] = {}
         # Keys a put has claimed but not yet indexed: a second put skips them.
         self._pending: set[ChunkKey] = set()
-        self._evict: list[EvictionPolicy] = [eviction() for _ in self.tiers]
+        # With quotas, each tier's order also keeps each tenant's (prepare_quota).
+        self._orders = None if quotas is None else [TenantOrders(eviction) for _ in self.tiers]
+        self._evict: list[EvictionPolicy] = [*(self._orders or (eviction() for _ in tiers))]
         self._tier_hits = [0] * len(self.tiers)
         self._failures: dict[tuple[str, str], int] = {}
         # Index changes go out as INDEXED / UNINDEXED events, under the lock (so their
@@ -312,6 +289,8 @@ class StoreIndex:
         for sl in served:
             self._tier_hits[sl.tier] += 1
             by_tier.setdefault(sl.tier, []).append(sl.key)
+            if self.books is not None:
+                self.books.figures.read(sl.key, sl.tier, sl.value_bytes)
         return by_tier
 
     def forget_failed(self, slots: Sequence[Slot], *, corrupt: bool) -> None:
@@ -325,16 +304,18 @@ class StoreIndex:
                 self._counts.corrupt_chunks += len(slots)
             self._emit_gone_locked()
 
-    def note_lookup(self, keys: Sequence[ChunkKey], hits: int) -> None:
-        """Count a lookup of ``keys`` whose first ``hits`` were present; the rest are
+    def note_lookup(self, keys: Sequence[ChunkKey], found: Sequence[Slot]) -> None:
+        """Count a lookup of ``keys`` whose first ones were ``found``; the rest are
         misses the placement hears of."""
         with self.lock:
+            if self.books is not None:
+                self.books.figures.looked_up(found, keys[len(found) :])
             counts = self._counts
             counts.lookups += 1
-            counts.lookup_hit_chunks += hits
-            counts.lookup_miss_chunks += len(keys) - hits
-            if hits < len(keys):
-                self._placement.on_miss(keys[hits:])
+            counts.lookup_hit_chunks += len(found)
+            counts.lookup_miss_chunks += len(keys) - len(found)
+            if len(found) < len(keys):
+                self._placement.on_miss(keys[len(found) :])
 
     # -- stores (puts) ---------------------------------------------------------------------
 
@@ -411,7 +392,7 @@ class StoreIndex:
             self._entries[key] = Entry(Slot(key, t, slot_no, value_bytes))
             self._evict[t].insert(key, value_bytes)
         if self.books is not None:
-            self.books.charge([k for k, _ in written], t, 1)
+            self.books.charge([k for k, _ in written], t, 1, stored=value_bytes)
         if written:
             keys = tuple(k for k, _ in written)
             self._emit_keys(EventKind.INDEXED, t, keys, len(keys) * value_bytes)
@@ -526,6 +507,8 @@ class StoreIndex:
                 self._unclaim_locked(victims)
                 return Room.SHORT
             keys = [v.key for v in victims]
+            if self.books is not None:
+                self.books.figures.evicted(keys, t)
             target = self._placement.demote_target(t, len(self.tiers), keys)
             if target is None:
                 self._drop_locked(t, victims)
@@ -545,15 +528,17 @@ class StoreIndex:
                 return Room.FREE
             need = -(-over // self.tiers[t].slot_bytes)  # chunks
             keys: list[ChunkKey] = []
-            for key in self._evict[t].candidates() if evict else ():
+            orders = self._orders[t].candidates_of(tag) if evict and self._orders else ()
+            for key in orders:
                 e = self._entries.get(key)
-                if tag_of(key) == tag and not (e is None or e.pins or e.moving or e.slot.readers):
+                if not (e is None or e.pins or e.moving or e.slot.readers):
                     keys.append(key)
                     if len(keys) >= need:
                         break
             if len(keys) < need:
                 return Room.SHORT
             victims = self._claim_locked(keys, range(t, t + 1))
+            self.books.figures.evicted(keys, t)  # type: ignore[union-attr]  # over > 0: books
             target = self._placement.demote_target(t, len(self.tiers), keys)
             if target is None:
                 self._drop_locked(t, victims)
@@ -654,7 +639,7 @@ class StoreIndex:
                 e.slot = new
                 self._evict[new.tier].insert(old.key, old.value_bytes)
                 if self.books is not None:
-                    self.books.charge([old.key], old.tier, -1, to=new.tier)
+                    self.books.charge([old.key], old.tier, -1, to=new.tier, stored=old.value_bytes)
                 self._retire_locked(old)
                 moved = True
             elif drop:

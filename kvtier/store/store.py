@@ -50,7 +50,7 @@ from kvtier.store.handles import HeldValue, Reservation
 from kvtier.store.index import Room, Slot, StoreIndex
 from kvtier.store.mover import Mover, Values
 from kvtier.store.policy import EvictionFactory, LRUEviction, PlacementPolicy, WriteThrough
-from kvtier.store.quota import Quotas, tag_of
+from kvtier.store.quota import Quotas, TenantFigures, tag_of
 from kvtier.store.types import (
     EventKind,
     GetResult,
@@ -281,10 +281,9 @@ class TieredStore:
         slots = self._index.present_run(keys)
         if len(slots) < len(keys) and self._mover.shared:
             slots += self._mover.adopt(keys[len(slots) :])
-        hits = len(slots)
-        self._index.note_lookup(keys, hits)
+        self._index.note_lookup(keys, slots)
         return LookupResult(
-            hits,
+            len(slots),
             tuple(self.tiers[sl.tier].name for sl in slots),
             tuple(sl.value_bytes for sl in slots),
         )
@@ -403,6 +402,11 @@ class TieredStore:
             (self.quotas.name(tag), self.tiers[t].name): n
             for (tag, t), n in self._index.books.use().items()
         }
+
+    def tenant_figures(self) -> tuple[TenantFigures, ...]:
+        """Per-tenant, per-tier figures (:class:`~kvtier.store.quota.TenantFigures`);
+        empty without quotas (keys then carry no tenant). Thread-safe."""
+        return () if self._index.books is None else self._index.books.figures_now()
 
     def delete(self, keys: Sequence[ChunkKey]) -> int:
         """Remove chunks; returns how many were present. Reads in flight finish first.

@@ -130,6 +130,32 @@ class PolicyCount:
     help: str = ""
 
 
+@dataclass(slots=True)
+class Counters:
+    """The store's monotonic counters, kept by the index (mutable, under its lock);
+    :meth:`~kvtier.store.index.StoreIndex.stats` freezes them into :class:`StoreStats`,
+    whose fields of the same names they fill (a field missing on either side fails the
+    first ``stats()`` call, which every store test makes)."""
+
+    lookups: int = 0
+    lookup_hit_chunks: int = 0
+    lookup_miss_chunks: int = 0
+    gets: int = 0
+    get_chunks: int = 0
+    get_bytes: int = 0
+    puts: int = 0
+    put_chunks: int = 0
+    put_present: int = 0
+    put_rejected: int = 0
+    demoted_chunks: int = 0
+    promoted_chunks: int = 0
+    dropped_chunks: int = 0
+    deleted_chunks: int = 0
+    corrupt_chunks: int = 0
+    tier_errors: int = 0
+    adopted_chunks: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class StoreStats:
     """Store-wide counters, and each tier's own."""

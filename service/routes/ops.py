@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..core import RequestCore
 from ..errors import error
-from ..metrics import store_exposition
+from ..metrics import store_exposition, tenant_figures_exposition
 from ..schemas import (
     ErrorResponse,
     LimitsModel,
@@ -15,6 +15,7 @@ from ..schemas import (
     StatsResponse,
     StatusResponse,
     StoreStatsModel,
+    TenantFiguresModel,
     TenantStatsModel,
     as_json,
 )
@@ -53,6 +54,7 @@ def router(core: RequestCore) -> APIRouter:
     )
     async def metrics(_: TenantDep) -> Response:
         lines = d.metrics.exposition() + d.tenants.exposition() + store_exposition(d.store.stats())
+        lines += tenant_figures_exposition(d.store.tenant_figures())
         if d.same_host is not None:
             lines += d.same_host.metrics.exposition()
         lines += [
@@ -77,6 +79,9 @@ def router(core: RequestCore) -> APIRouter:
             tenant=TenantStatsModel.model_validate({"name": t.label, **d.tenants.of(t.name)}),
             store=StoreStatsModel.model_validate(as_json(d.store.stats())),
             limits=LimitsModel.model_validate(as_json(d.limits)),
+            tenants=[
+                TenantFiguresModel.model_validate(as_json(f)) for f in d.store.tenant_figures()
+            ],
         )
 
     return api

@@ -3,6 +3,8 @@
 Each chunk is one Redis value (header + payload, :mod:`kvtier.tiers.redis.wire`) under
 ``{key_prefix}:{tenant}:{spec fingerprint}:{chunk key hex}``, so tenants and model
 geometries never collide and an operator can find one namespace with ``SCAN MATCH``.
+With encryption, the master key's id comes before the chunk key
+(``...:{spec fingerprint}:k{key id}:{chunk key hex}``, :attr:`kvtier.crypto.Cipher.key_id`).
 
 The tier keeps the core's slot contract: its allocator is a *logical* bound on how many
 chunks this process indexes in Redis, and values are addressed by chunk key, not by
@@ -15,7 +17,15 @@ or moving a chunk out of this tier leaves the value in Redis for the others; Red
 
 Failures never wait past a budget and never serve wrong bytes: a down, restarting or
 slow node makes its chunks misses (:mod:`kvtier.tiers.redis.nodes`), and a value whose
-header or checksum fails is a miss and is deleted.
+header, checksum or tag fails is a miss and is deleted.
+
+Deleting a value that fails is safe only because a value under this tier's names can be
+none but its own kind: a daemon sealing under another master key (a peer given the wrong
+key file, a rotated key) reads and writes under other names, so it never finds this
+tier's values, never counts them corrupt and never deletes them, nor they its. Were the
+names shared, a peer with the wrong key would see every value fail its tag and delete
+the whole shared cache. Under one key id, a value that fails is altered bytes (or a value
+in clear or of another key someone copied there): deleting it lets the next put heal it.
 """
 
 from __future__ import annotations
@@ -104,6 +114,8 @@ class RedisTier(SharedTier):
         self.namespace = namespace
         self._ns = wire.namespace_id(namespace.tenant, namespace.spec_fingerprint)
         prefix = f"{self.options.key_prefix}:{namespace.tenant}:{namespace.spec_fingerprint}:"
+        if self._cipher is not None:
+            prefix += f"k{self._cipher.key_id}:"
         self._prefix = prefix.encode()
 
     def redis_key(self, key: ChunkKey) -> bytes:

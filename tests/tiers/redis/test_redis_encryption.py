@@ -13,7 +13,7 @@ pytest.importorskip("cryptography", reason="encryption needs: pip install 'kvtie
 pytest.importorskip("redis", reason="the redis tier needs redis-py: pip install 'kvtier[redis]'")
 
 from kvtier.crypto import OVERHEAD, load_master_key
-from kvtier.errors import CorruptChunkError
+from kvtier.errors import CorruptChunkError, TierIOError
 from kvtier.store.quota import tag_key, tenant_tag
 from kvtier.tiers.base import SlotRun
 from kvtier.tiers.redis import wire
@@ -80,7 +80,26 @@ def test_a_value_in_clear_is_refused_when_encryption_is_on(
     make: Any, redis_server: RedisServer, key_file: str
 ) -> None:
     clear = make()
-    runs, _ = put(clear, [tkey("alice", 3)])  # type: ignore[arg-type]
+    k = tkey("alice", 3)
+    runs, _ = put(clear, [k])  # type: ignore[arg-type]
     sealed = make(encryption_key_file=key_file)
+    assert sealed.probe([k]) == ()  # sealed values live under names of their own
+    r = redis_server.client()
+    r.set(sealed.redis_key(k), r.get(clear.redis_key(k)))  # a value in clear put there
     with pytest.raises(CorruptChunkError):
         read(sealed, runs)
+
+
+def test_a_tier_under_another_master_key_never_sees_nor_deletes_the_values(
+    make: Any, redis_server: RedisServer, key_file: str, tmp_path: Path
+) -> None:
+    other_key = tmp_path / "other_key"
+    load_master_key(other_key, create=True)
+    mine, theirs = make(encryption_key_file=key_file), make(encryption_key_file=str(other_key))
+    keys = [tkey("alice", i) for i in range(3)]
+    runs, data = put(mine, keys)  # type: ignore[arg-type]
+    assert theirs.probe(keys) == ()  # absent for it, not corrupt
+    with pytest.raises(TierIOError):
+        read(theirs, runs)
+    assert np.array_equal(read(mine, runs), data)
+    assert all(redis_server.client().exists(mine.redis_key(k)) for k in keys)
