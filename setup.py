@@ -8,6 +8,6 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension("kvtier._speedups", ["kvtier/_speedups.c"], optional=True),
-        Extension("kvtier._core", ["kvtier/_core.c"], optional=True),
+        Extension("kvtier._core", ["kvtier/_core.c", "kvtier/_core_index.c"], optional=True),
     ]
 )

@@ -618,6 +618,8 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+int core_index_init(PyObject *m); /* kvtier/_core_index.c */
+
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvtier._core", NULL, -1, methods,
                                     NULL, NULL, NULL, NULL};
 
@@ -633,6 +635,10 @@ PyMODINIT_FUNC PyInit__core(void) {
     Py_INCREF(&BuddyType);
     if (PyModule_AddObject(m, "Buddy", (PyObject *)&BuddyType) < 0) {
         Py_DECREF(&BuddyType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (core_index_init(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

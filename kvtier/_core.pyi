@@ -3,6 +3,7 @@
 from typing import Any
 
 from kvtier.alloc.buddy import Extent
+from kvtier.keys import ChunkKey
 
 class Buddy:
     def __init__(self, capacity_units: int, max_order: int, extent: Any, error: Any) -> None: ...
@@ -34,3 +35,21 @@ def copy_slots(
     into_arena: bool,
     /,
 ) -> None: ...
+
+class Slot:
+    key: ChunkKey
+    tier: int
+    offset: int
+    value_bytes: int
+    readers: int
+    retired: bool
+    def __init__(self, key: ChunkKey, tier: int, offset: int, value_bytes: int) -> None: ...
+
+class Entry:
+    slot: Slot
+    pins: int
+    moving: bool
+    def __init__(self, slot: Slot) -> None: ...
+
+class IndexVerbs:
+    """Hot verbs of StoreIndex; their signatures are StoreIndex's."""

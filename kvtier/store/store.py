@@ -47,10 +47,12 @@ from kvtier.keys import ChunkKey, check_keys
 from kvtier.store.events import Events, Listener
 from kvtier.store.executor import INLINE, Executor, Finished, InlineExecutor, StealingExecutor
 from kvtier.store.handles import HeldValue, Reservation
-from kvtier.store.index import Room, Slot, StoreIndex
+from kvtier.store.index import Room
 from kvtier.store.mover import Mover, Values
+from kvtier.store.native import make_index
 from kvtier.store.policy import EvictionFactory, LRUEviction, PlacementPolicy, WriteThrough
 from kvtier.store.quota import Quotas, TenantFigures, tag_of
+from kvtier.store.slots import Slot
 from kvtier.store.types import (
     EventKind,
     GetResult,
@@ -132,7 +134,7 @@ class TieredStore:
         self.tiers: tuple[Tier, ...] = tuple(tiers)
         self.placement = placement or WriteThrough()
         self._events = Events()
-        self._index = StoreIndex(
+        self._index = make_index(
             self.tiers, eviction, self.placement, self._events.emit, quotas=quotas
         )
         self.quotas = quotas
