@@ -18,8 +18,8 @@ the same run on the same machine:
   same random sequence of run allocations and frees (sizes 1-64 units, 90% occupancy
   churn), interleaved; the extents each hands out must be equal.
 
-The arena is 512 MiB and the memcpy baseline rotates over 256 MiB, so both children fit
-in a small machine's memory together.
+Each side's arena is ``--arena-mib`` (512 MiB) and its memcpy baseline rotates over half
+as much, so both children fit in a small machine's memory together.
 
 Usage: ``kvtier bench native [--json F] [--repeat N] [--rounds N] [--fixed-rounds N]
 [--sizes 2,4,...]``
@@ -39,17 +39,17 @@ from typing import Any
 from kvtier.bench.common import LineChild, envelope, scratch_dir, write_json
 
 MARK = "@native "
-ARENA_BYTES = 512 << 20
-BASELINE_BYTES = 256 << 20
+ARENA_MIB = 512
 SIZES_MIB = (2, 4, 8, 16, 32, 64)
 
 # The child's first lines: the Python side hides kvtier._core before kvtier is imported.
 _HIDE_CORE = "import sys; sys.modules['kvtier._core'] = None\n"
-_RUN_CHILD = "from kvtier.bench.native import child; child()\n"
+_RUN_CHILD = "from kvtier.bench.native import child; child({arena_mib})\n"
 
 
-def child() -> None:
-    """Serve requests from stdin, one JSON line each, on a host-tier store."""
+def child(arena_mib: int = ARENA_MIB) -> None:
+    """Serve requests from stdin, one JSON line each, on a host-tier store of
+    ``arena_mib`` MiB (the memcpy baseline rotates over half as much)."""
     import numpy as np
 
     from kvtier.alloc import NativeBuddyAllocator
@@ -64,13 +64,13 @@ def child() -> None:
         print(MARK + json.dumps(obj), flush=True)
 
     tier = HostTier(
-        TierGeometry("host", ARENA_BYTES, CHUNK, ARENA_BYTES),
+        TierGeometry("host", arena_mib << 20, CHUNK, arena_mib << 20),
         Options(pin=Switch.AUTO, prefault=True),
     )
     store = TieredStore([tier], io_threads=1)
     small = HostTier(TierGeometry("host", 64 << 20, CHUNK, 64 << 20), Options(pin=Switch.OFF))
     inline = TieredStore([small], io_threads=0)
-    big = np.empty(BASELINE_BYTES, dtype=np.uint8)
+    big = np.empty(arena_mib << 19, dtype=np.uint8)
     big[::4096] = 1  # fault every page in, as the arena is
     flush, _ = cache_flusher()
     rng = np.random.default_rng(0)
@@ -179,8 +179,16 @@ def main(argv: list[str]) -> int:
         default=",".join(map(str, SIZES_MIB)),
         help="comma-separated value sizes in MiB (default: 2 to 64)",
     )
+    ap.add_argument(
+        "--arena-mib",
+        type=int,
+        default=ARENA_MIB,
+        help="each side's host tier in MiB (at least 5x the largest size: 4 puts in flight)",
+    )
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
+    if sizes and 5 * max(sizes) > args.arena_mib:
+        ap.error(f"--arena-mib {args.arena_mib} holds no 5 runs of {max(sizes)} MiB")
 
     alloc, alloc_same = allocator_rows(max(args.repeat, 5))
     if not alloc:
@@ -191,7 +199,7 @@ def main(argv: list[str]) -> int:
     prelude = {"native": "", "python": _HIDE_CORE}
     kids = {
         side: LineChild(
-            [sys.executable, "-c", prelude[side] + _RUN_CHILD],
+            [sys.executable, "-c", prelude[side] + _RUN_CHILD.format(arena_mib=args.arena_mib)],
             logs / f"{side}.log",
             MARK,
             f"the {side} store",
@@ -300,7 +308,7 @@ def main(argv: list[str]) -> int:
             allocator=alloc,
             allocator_same_extents=alloc_same,
             worst_native_vs_memcpy=worst,
-            arena_bytes=ARENA_BYTES,
+            arena_bytes=args.arena_mib << 20,
             children=info,
         ),
     )

@@ -273,3 +273,35 @@ def test_the_host_profile_times_each_operations_functions_and_unwraps_them() -> 
     assert len(flushes) == 3 * (3 + 5)  # before every operation, warm-up rounds included
     assert attributes() == before  # every wrapper taken off again
     assert TieredStore.put.__name__ == "put" and "write" in Tier.__dict__
+
+
+def test_the_native_benchmark_compares_a_store_with_the_core_and_one_without(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    from kvtier.alloc import NativeBuddyAllocator
+
+    args = ["--sizes", "2", "--arena-mib", "16", "--repeat", "1", "--rounds", "1"]
+    out = run(
+        *KVTIER, "bench", "native", *args, "--fixed-rounds", "3", "--json", str(tmp_path / "n.json")
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    if NativeBuddyAllocator is None:  # nothing to compare against where the core is not built
+        assert "not built" in out.stdout
+        return
+    got = json.loads((tmp_path / "n.json").read_text())
+    assert got["verified"] is True and got["allocator_same_extents"] is True
+    # One side runs the native core, the other the Python reference.
+    assert got["children"]["native"]["native"] is True
+    assert got["children"]["python"]["native"] is False
+    assert {(r["op"], r["queue_depth"]) for r in got["rows"]} == {
+        ("put", 1),
+        ("get", 1),
+        ("put", 4),
+        ("get", 4),
+    }
+    assert all(r["native_vs_python"] > 0 for r in got["rows"])
+    assert {f["op"] for f in got["fixed_costs"]} == {"put", "get", "delete"}
+    too_small = run(*KVTIER, "bench", "native", "--sizes", "4", "--arena-mib", "16")
+    assert too_small.returncode == 2 and "holds no 5 runs" in too_small.stderr
