@@ -31,8 +31,16 @@ from kvtier.keys import ChunkKey
 from kvtier.store import TieredStore
 from kvtier.store.index import StoreIndex
 from kvtier.store.mover import Mover
+from kvtier.store.native import NativeStoreIndex
 from kvtier.tiers.base import Tier, TierGeometry
 from kvtier.tiers.host import HostTier, Options
+
+# The index class the store builds: its hot verbs are C methods where the native core is
+# built, so the reference's would never be called there.
+INDEX: type[StoreIndex] = StoreIndex if NativeStoreIndex is None else NativeStoreIndex
+# The host tier's copies: one native call per run where the core is built (HostTier's
+# write and read), else Tier's write and read and the numpy copies.
+_COPIES = ((host_mod, "_copy_slots"),) if getattr(host_mod, "_copy_slots", None) else ()
 
 # (owner, attribute), per operation, outermost first. Module functions are looked up by
 # their callers at call time, so wrapping the module's attribute reaches those calls.
@@ -42,27 +50,31 @@ PROFILED: dict[str, tuple[tuple[Any, str], ...]] = {
         (store_mod, "check_keys"),
         (store_mod, "_values_of"),
         (Mover, "put"),
-        (StoreIndex, "prepare_store"),
+        (INDEX, "prepare_store"),
         (Mover, "make_room"),
         (Tier, "allocate"),
         (Mover, "_write_new"),
+        (HostTier, "write"),
         (Tier, "write"),
         (host_mod, "copy_in"),
-        (StoreIndex, "add_stored"),
-        (StoreIndex, "complete_store"),
+        *_COPIES,
+        (INDEX, "add_stored"),
+        (INDEX, "complete_store"),
     ),
     "get": (
         (TieredStore, "get"),
         (TieredStore, "_hold_for"),
-        (StoreIndex, "prepare_load"),
+        (INDEX, "prepare_load"),
         (Mover, "get"),
+        (HostTier, "read"),
         (Tier, "read"),
         (host_mod, "copy_out"),
-        (StoreIndex, "complete_load"),
+        *_COPIES,
+        (INDEX, "complete_load"),
     ),
     "delete": (
         (TieredStore, "delete"),
-        (StoreIndex, "remove"),
+        (INDEX, "remove"),
         (StoreIndex, "_release_runs"),
         (Tier, "release"),
     ),
@@ -93,15 +105,18 @@ def timed_calls(targets: tuple[tuple[Any, str], ...]) -> Iterator[dict[str, list
 
     try:
         for owner, name in targets:
-            # A class's own attribute (not one it inherits), so restoring puts back
-            # exactly what was there.
-            original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            # A class's own attribute (None where it inherits it: the native index's
+            # verbs), so restoring puts back exactly what was there.
+            original = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name)
             saved.append((owner, name, original))
             setattr(owner, name, wrap(getattr(owner, name), _label(owner, name)))
         yield times
     finally:
         for owner, name, original in reversed(saved):
-            setattr(owner, name, original)
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
 
 
 def cold_profile(

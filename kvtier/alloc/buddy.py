@@ -10,13 +10,30 @@ Every chunk stays addressable inside its extent: freeing any aligned sub-range (
 slot, or a sequence's tail) splits the owning block and coalesces what becomes free.
 
 Not thread-safe: the owning tier serialises calls under its lock.
+
+Two implementations, one behaviour: :class:`BuddyAllocator` here is the reference, and
+:class:`NativeBuddyAllocator` (``kvtier/_core.c``, built where a C compiler was found)
+does the same operations in C and hands out the same extents in the same order
+(``tests/unit/test_buddy_native.py`` runs random operation sequences on both).
+:func:`make_allocator` picks the native one where it is built.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtier.errors import InputError
+
+try:
+    from kvtier._core import Buddy as _Buddy
+except ImportError:  # built without a C compiler: the reference allocator serves
+    _Buddy = None  # type: ignore[assignment,misc]
+
+NATIVE_MAX_UNITS = 1 << 26
+"""Largest arena (in units) the native allocator takes: it keeps 10 bytes per unit of
+address space (taken by the kernel only where touched), where the reference keeps
+state only per block. Larger arenas use the reference."""
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -76,8 +93,34 @@ def decompose(n: int, max_order: int) -> list[int]:
     return orders
 
 
+def _check_arena(capacity_units: int, max_order: int) -> None:
+    if capacity_units < 1:
+        raise InputError(f"allocator needs at least one unit, got {capacity_units}")
+    if max_order < 0:
+        raise InputError(f"max_order must be >= 0, got {max_order}")
+
+
+def _stats(
+    capacity_units: int, free_units: int, blocks: int, largest: int, max_order: int
+) -> AllocatorStats:
+    # Measured against the largest block the free space could form, so an empty
+    # arena made of many capped blocks reads 0, not 1 - cap/capacity.
+    ideal = min(free_units, 1 << max_order)
+    ext = 0.0 if ideal == 0 else 1.0 - largest / ideal
+    return AllocatorStats(
+        capacity_units=capacity_units,
+        used_units=capacity_units - free_units,
+        free_units=free_units,
+        allocated_blocks=blocks,
+        largest_free_units=largest,
+        external_fragmentation=ext,
+    )
+
+
 class BuddyAllocator:
     """Allocates buddy-aligned extents of ``2**k`` units from ``[0, capacity_units)``.
+
+    The reference implementation (see the module docstring).
 
     Args:
         capacity_units: arena size in units; need not be a power of two.
@@ -85,10 +128,7 @@ class BuddyAllocator:
     """
 
     def __init__(self, capacity_units: int, max_order: int) -> None:
-        if capacity_units < 1:
-            raise InputError(f"allocator needs at least one unit, got {capacity_units}")
-        if max_order < 0:
-            raise InputError(f"max_order must be >= 0, got {max_order}")
+        _check_arena(capacity_units, max_order)
         self.capacity_units = capacity_units
         # An order larger than the arena can never be used; clamp it.
         self.max_order = min(max_order, capacity_units.bit_length() - 1)
@@ -118,17 +158,8 @@ class BuddyAllocator:
             if self._free[order]:
                 largest = 1 << order
                 break
-        # Measured against the largest block the free space could form, so an empty
-        # arena made of many capped blocks reads 0, not 1 - cap/capacity.
-        ideal = min(self._free_units, 1 << self.max_order)
-        ext = 0.0 if ideal == 0 else 1.0 - largest / ideal
-        return AllocatorStats(
-            capacity_units=self.capacity_units,
-            used_units=self.used_units,
-            free_units=self._free_units,
-            allocated_blocks=len(self._alloc),
-            largest_free_units=largest,
-            external_fragmentation=ext,
+        return _stats(
+            self.capacity_units, self._free_units, len(self._alloc), largest, self.max_order
         )
 
     def allocated_blocks(self) -> list[Extent]:
@@ -295,6 +326,46 @@ class BuddyAllocator:
     def _pop_free(self, offset: int, order: int) -> None:
         del self._free[order][offset]
         del self._free_order[offset]
+
+
+if _Buddy is not None or TYPE_CHECKING:
+
+    class NativeBuddyAllocator(_Buddy):
+        """:class:`BuddyAllocator` in C (``kvtier/_core.c``): the same extents for the
+        same calls, and the same :class:`~kvtier.errors.InputError` for refused ones.
+
+        Its ``allocate``, ``allocate_run``, ``free``, ``claim``, ``allocated_blocks`` and
+        ``free_blocks`` are the C type's. Not thread-safe, as the reference.
+        """
+
+        def __init__(self, capacity_units: int, max_order: int) -> None:
+            _check_arena(capacity_units, max_order)
+            super().__init__(capacity_units, max_order, Extent, InputError)
+
+        def stats(self) -> AllocatorStats:
+            order = self.largest_free_order()
+            largest = 0 if order < 0 else 1 << order
+            return _stats(
+                self.capacity_units,
+                self.free_units,
+                self.allocated_count,
+                largest,
+                self.max_order,
+            )
+
+else:
+    NativeBuddyAllocator = None  # type: ignore[assignment,misc]
+
+
+def make_allocator(
+    capacity_units: int, max_order: int, *, native: bool = True
+) -> BuddyAllocator | NativeBuddyAllocator:
+    """The native allocator where it is built and the arena is not too large for it
+    (:data:`NATIVE_MAX_UNITS`), else the reference; ``native=False`` always gives the
+    reference."""
+    if native and NativeBuddyAllocator is not None and capacity_units <= NATIVE_MAX_UNITS:
+        return NativeBuddyAllocator(capacity_units, max_order)
+    return BuddyAllocator(capacity_units, max_order)
 
 
 def _aligned_pieces(offset: int, n: int) -> list[tuple[int, int]]:

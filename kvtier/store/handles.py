@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.keys import ChunkKey
-from kvtier.store.index import Slot
 from kvtier.store.mover import Mover
+from kvtier.store.slots import Slot
 from kvtier.store.types import PutResult
 
 Done = Callable[[object], None]

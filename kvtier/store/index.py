@@ -34,39 +34,11 @@ from dataclasses import dataclass
 from kvtier.keys import ChunkKey
 from kvtier.store.policy import EvictionFactory, EvictionPolicy, PlacementPolicy
 from kvtier.store.quota import QuotaBooks, Quotas, TenantOrders
+from kvtier.store.slots import Entry, Slot, runs_of
 from kvtier.store.types import Counters, EventKind, StoreEvent, StoreStats
 from kvtier.tiers.base import PersistentTier, SlotRun, Tier
 
 log = logging.getLogger(__name__)
-
-
-class Slot:
-    """One stored copy of a chunk: where its bytes are, and who is reading them.
-
-    Mutable; guarded by the index lock. ``readers`` counts the holds of gets and movers
-    in flight; ``retired`` marks a slot the index no longer points at.
-    """
-
-    __slots__ = ("key", "offset", "readers", "retired", "tier", "value_bytes")
-
-    def __init__(self, key: ChunkKey, tier: int, offset: int, value_bytes: int) -> None:
-        self.key = key
-        self.tier = tier
-        self.offset = offset
-        self.value_bytes = value_bytes
-        self.readers = 0
-        self.retired = False
-
-
-class Entry:
-    """Index record of one chunk: its slot, its pins, and whether a mover claimed it."""
-
-    __slots__ = ("moving", "pins", "slot")
-
-    def __init__(self, slot: Slot) -> None:
-        self.slot = slot
-        self.pins = 0
-        self.moving = False
 
 
 class Room(enum.Enum):
@@ -94,29 +66,6 @@ class Eviction:
     target: int
 
 
-def runs_of(slots: Sequence[Slot]) -> list[tuple[int, int, SlotRun]]:
-    """Group slots into runs of consecutive offsets of one tier and equal length.
-
-    Returns (index of the first slot, tier, run) triples, in order.
-    """
-    out: list[tuple[int, int, SlotRun]] = []
-    i = 0
-    while i < len(slots):
-        first = slots[i]
-        j = i + 1
-        while (
-            j < len(slots)
-            and slots[j].tier == first.tier
-            and slots[j].offset == first.offset + (j - i)
-            and slots[j].value_bytes == first.value_bytes
-        ):
-            j += 1
-        keys = tuple(sl.key for sl in slots[i:j])
-        out.append((i, first.tier, SlotRun(first.offset, keys, first.value_bytes)))
-        i = j
-    return out
-
-
 class StoreIndex:
     """Entries, pins, per-tier eviction orders and counters of one store.
 
@@ -127,6 +76,10 @@ class StoreIndex:
         emit: announces index changes (INDEXED / UNINDEXED events).
         quotas: per-tenant byte limits per tier (:mod:`kvtier.store.quota`), or None.
     """
+
+    # The record types this index builds (the native index builds its C ones).
+    _slot: Callable[[ChunkKey, int, int, int], Slot] = Slot
+    _entry: Callable[[Slot], Entry] = Entry
 
     def __init__(
         self,
@@ -176,6 +129,10 @@ class StoreIndex:
                     break
                 out.append(e.slot)
         return out
+
+    def new_slot(self, key: ChunkKey, tier: int, offset: int, value_bytes: int) -> Slot:
+        """A slot record of this index's kind, for a copy a mover is about to make."""
+        return self._slot(key, tier, offset, value_bytes)
 
     def keys(self) -> list[ChunkKey]:
         """Every indexed key (a snapshot; no bytes read). Thread-safe."""
@@ -389,7 +346,7 @@ class StoreIndex:
         # Newest-last in eviction order, tail first: a sequence loses its tail before
         # its head, so what stays is still a usable prefix.
         for key, slot_no in reversed(written):
-            self._entries[key] = Entry(Slot(key, t, slot_no, value_bytes))
+            self._entries[key] = self._entry(self._slot(key, t, slot_no, value_bytes))
             self._evict[t].insert(key, value_bytes)
         if self.books is not None:
             self.books.charge([k for k, _ in written], t, 1, stored=value_bytes)
@@ -419,7 +376,7 @@ class StoreIndex:
             for key, offset, length in zip(keys, offsets, lengths, strict=True):
                 e = self._entries.get(key)
                 if e is None:
-                    e = self._entries[key] = Entry(Slot(key, t, offset, length))
+                    e = self._entries[key] = self._entry(self._slot(key, t, offset, length))
                     new.append(key)
                 else:
                     tier.release(offset, 1)
@@ -719,11 +676,11 @@ class StoreIndex:
             recovered = 0
             for run in tier.recover():
                 for j, key in enumerate(run.keys):
-                    slot = Slot(key, t, run.offset + j, run.value_bytes)
+                    slot = self._slot(key, t, run.offset + j, run.value_bytes)
                     if key in self._entries:
                         self._free_slot_locked(slot)
                         continue
-                    self._entries[key] = Entry(slot)
+                    self._entries[key] = self._entry(slot)
                     self._evict[t].insert(key, run.value_bytes)
                     if self.books is not None:
                         self.books.charge([key], t, 1)

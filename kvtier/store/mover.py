@@ -23,8 +23,9 @@ from kvtier.alloc import Extent
 from kvtier.errors import CorruptChunkError, TierError
 from kvtier.keys import ChunkKey
 from kvtier.store.events import Events
-from kvtier.store.index import Eviction, Room, Slot, StoreIndex, runs_of
+from kvtier.store.index import Eviction, Room, StoreIndex
 from kvtier.store.quota import tag_of
+from kvtier.store.slots import Slot, runs_of
 from kvtier.store.types import EventKind, GetResult, PutResult, StoreEvent
 from kvtier.tiers.base import SharedTier, SlotRun, ViewableTier
 
@@ -500,7 +501,10 @@ class Mover:
                 self.index.cancel_move(victims)
             return 0
         offsets = _offsets(extents)
-        new_slots = [Slot(v.key, target, offsets[i], v.value_bytes) for i, v in enumerate(victims)]
+        new_slots = [
+            self.index.new_slot(v.key, target, offsets[i], v.value_bytes)
+            for i, v in enumerate(victims)
+        ]
         written = [False] * len(victims)
         bufs, where = self._gather(victims, new_slots, written)
         # Write the new slots run by run: one write where the run's bytes lie back to

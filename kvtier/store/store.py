@@ -47,22 +47,22 @@ from kvtier.keys import ChunkKey, check_keys
 from kvtier.store.events import Events, Listener
 from kvtier.store.executor import INLINE, Executor, Finished, InlineExecutor, StealingExecutor
 from kvtier.store.handles import HeldValue, Reservation
-from kvtier.store.index import Room, Slot, StoreIndex
+from kvtier.store.index import Room
 from kvtier.store.mover import Mover, Values
+from kvtier.store.native import make_index
 from kvtier.store.policy import EvictionFactory, LRUEviction, PlacementPolicy, WriteThrough
 from kvtier.store.quota import Quotas, TenantFigures, tag_of
-from kvtier.store.types import (
-    EventKind,
-    GetResult,
-    LookupResult,
-    PutResult,
-    StoreEvent,
-    StoreStats,
-)
+from kvtier.store.slots import Slot
+from kvtier.store.types import EventKind, GetResult, LookupResult, PutResult, StoreEvent, StoreStats
 from kvtier.tiers.base import PersistentTier, SharedTier, Tier, ViewableTier
 
 Buffer = memoryview | bytes | bytearray | npt.NDArray[Any]
 T = TypeVar("T")
+
+INLINE_MEMORY_GET_BYTES = 1 << 20
+"""A get's default ``inline_memory_bytes``: a hit in memory tiers up to this size is
+copied on the caller's thread, where the copy costs no more than the hand-off to an I/O
+thread and back (docs/architecture.md, "The store")."""
 log = logging.getLogger(__name__)
 
 
@@ -132,7 +132,7 @@ class TieredStore:
         self.tiers: tuple[Tier, ...] = tuple(tiers)
         self.placement = placement or WriteThrough()
         self._events = Events()
-        self._index = StoreIndex(
+        self._index = make_index(
             self.tiers, eviction, self.placement, self._events.emit, quotas=quotas
         )
         self.quotas = quotas
@@ -294,7 +294,7 @@ class TieredStore:
         dst: Buffer,
         *,
         inline: bool = False,
-        inline_memory_bytes: int = 0,
+        inline_memory_bytes: int = INLINE_MEMORY_GET_BYTES,
     ) -> Future[GetResult]:
         """Copy the leading present chunks of ``keys`` into ``dst``, packed.
 
@@ -307,9 +307,9 @@ class TieredStore:
 
         ``inline_memory_bytes``: read on the caller's thread anyway (a done future) when
         the hit lies in tiers of plain memory (:class:`~kvtier.tiers.base.ViewableTier`)
-        and needs at most this many bytes, or is a miss with no shared tier to ask: a
-        memcpy then costs less than the hand-off to an I/O thread and back (the daemon's
-        event loop uses it; a tier behind I/O still never blocks the caller).
+        and needs at most this many bytes (default :data:`INLINE_MEMORY_GET_BYTES`; 0
+        never), or is a miss with no shared tier to ask: a memcpy that short costs less
+        than the hand-off to an I/O thread and back. A tier behind I/O never blocks it.
         """
         keys, view, slots, need = self._hold_for(keys, dst)
         tail = list(keys[len(slots) :]) if self._mover.shared else []

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.alloc import BuddyAllocator, Extent
+from kvtier.alloc import Extent, make_allocator
 from kvtier.errors import InputError
 from kvtier.keys import ChunkKey, Namespace
 from kvtier.units import align_up
@@ -182,7 +182,7 @@ class Tier(ABC):
         max_order = max(0, (g.max_extent_bytes // self.slot_bytes).bit_length() - 1)
         self.capacity_bytes = units * self.slot_bytes
         self.profile = profile or TierProfile()
-        self._alloc = BuddyAllocator(units, max_order)
+        self._alloc = make_allocator(units, max_order)
         self._alloc_lock = threading.Lock()
         self._stat_lock = threading.Lock()
         self._bytes_written = 0

@@ -22,6 +22,10 @@ try:
     from kvtier._speedups import copy as _copy_c
 except ImportError:  # built without a C compiler: numpy copies every value
     _copy_c = None
+try:
+    from kvtier._core import copy_slots as _copy_slots
+except ImportError:  # built without a C compiler: Tier.write and copy_in, in Python
+    _copy_slots = None  # type: ignore[assignment]
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +186,15 @@ class HostTier(ViewableTier):
             pin=opts.pin,
             prefault=opts.prefault,
         )
+        # One native call checks and copies a run (write / read below), where this
+        # class's own _write / _read would run: a subclass that overrides them (the
+        # emulated CXL tier) keeps them.
+        cls = type(self)
+        self._native_copy = (
+            _copy_slots is not None
+            and cls._write is HostTier._write
+            and cls._read is HostTier._read
+        )
 
     @property
     def shm_path(self) -> str:
@@ -207,6 +220,39 @@ class HostTier(ViewableTier):
             return None
         base = run.offset * self.slot_bytes
         return self.arena.array[base : base + run.nbytes].data
+
+    @override
+    def write(self, run: SlotRun, src: memoryview) -> None:
+        # A copy split over threads (copy_threads > 1, large) goes the Python way.
+        if self._native_copy and (self.copy_threads <= 1 or run.nbytes < PARALLEL_COPY_BYTES):
+            _copy_slots(
+                self.arena.array,
+                self.slot_bytes,
+                run.offset,
+                len(run.keys),
+                run.value_bytes,
+                src,
+                True,
+            )
+            self.note_written(run.nbytes)
+        else:
+            super().write(run, src)
+
+    @override
+    def read(self, run: SlotRun, dst: memoryview) -> None:
+        if self._native_copy and (self.copy_threads <= 1 or run.nbytes < PARALLEL_COPY_BYTES):
+            _copy_slots(
+                self.arena.array,
+                self.slot_bytes,
+                run.offset,
+                len(run.keys),
+                run.value_bytes,
+                dst,
+                False,
+            )
+            self.count_read(run.nbytes)
+        else:
+            super().read(run, dst)
 
     @override
     def _write(self, run: SlotRun, src: memoryview) -> None:

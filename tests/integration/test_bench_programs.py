@@ -247,7 +247,9 @@ def test_the_host_profile_times_each_operations_functions_and_unwraps_them() -> 
 
     def attributes() -> dict[tuple[object, str], object]:
         return {
-            (owner, name): owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            (owner, name): owner.__dict__.get(name)
+            if isinstance(owner, type)
+            else getattr(owner, name)
             for targets in prof.PROFILED.values()
             for owner, name in targets
         }
@@ -256,13 +258,14 @@ def test_the_host_profile_times_each_operations_functions_and_unwraps_them() -> 
     flushes = []
     rows = prof.cold_profile(lambda: flushes.append(1), rounds=3, value_bytes=64 << 10)
     by = {(r["op"], r["function"]): r for r in rows}
-    # Each operation's entry point once per operation, the copy inside it, and the
-    # whole no shorter than a part.
-    for op, top, inner in [
-        ("put", "TieredStore.put", "host.copy_in"),
-        ("get", "TieredStore.get", "host.copy_out"),
-        ("delete", "TieredStore.delete", "Tier.release"),
+    # Each operation's entry point once per operation, the copy inside it (the native
+    # core's run copy where it is built, else numpy's), and the whole no shorter than a part.
+    for op, top, inners in [
+        ("put", "TieredStore.put", ("host.copy_in", "host._copy_slots")),
+        ("get", "TieredStore.get", ("host.copy_out", "host._copy_slots")),
+        ("delete", "TieredStore.delete", ("Tier.release",)),
     ]:
+        (inner,) = [label for label in inners if (op, label) in by]
         assert by[(op, top)]["calls_per_op"] == 1
         assert by[(op, inner)]["calls_per_op"] == 1
         assert by[(op, top)]["median_us"] >= by[(op, inner)]["median_us"] > 0
@@ -270,3 +273,35 @@ def test_the_host_profile_times_each_operations_functions_and_unwraps_them() -> 
     assert len(flushes) == 3 * (3 + 5)  # before every operation, warm-up rounds included
     assert attributes() == before  # every wrapper taken off again
     assert TieredStore.put.__name__ == "put" and "write" in Tier.__dict__
+
+
+def test_the_native_benchmark_compares_a_store_with_the_core_and_one_without(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    from kvtier.alloc import NativeBuddyAllocator
+
+    args = ["--sizes", "2", "--arena-mib", "16", "--repeat", "1", "--rounds", "1"]
+    out = run(
+        *KVTIER, "bench", "native", *args, "--fixed-rounds", "3", "--json", str(tmp_path / "n.json")
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    if NativeBuddyAllocator is None:  # nothing to compare against where the core is not built
+        assert "not built" in out.stdout
+        return
+    got = json.loads((tmp_path / "n.json").read_text())
+    assert got["verified"] is True and got["allocator_same_extents"] is True
+    # One side runs the native core, the other the Python reference.
+    assert got["children"]["native"]["native"] is True
+    assert got["children"]["python"]["native"] is False
+    assert {(r["op"], r["queue_depth"]) for r in got["rows"]} == {
+        ("put", 1),
+        ("get", 1),
+        ("put", 4),
+        ("get", 4),
+    }
+    assert all(r["native_vs_python"] > 0 for r in got["rows"])
+    assert {f["op"] for f in got["fixed_costs"]} == {"put", "get", "delete"}
+    too_small = run(*KVTIER, "bench", "native", "--sizes", "4", "--arena-mib", "16")
+    assert too_small.returncode == 2 and "holds no 5 runs" in too_small.stderr

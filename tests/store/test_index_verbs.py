@@ -7,14 +7,33 @@ operation hides or claims, what cancelling leaves, and that eviction is atomic.
 
 from __future__ import annotations
 
+import pytest
+
 from kvtier.keys import ChunkKey
-from kvtier.store.index import Eviction, Room, Slot, StoreIndex
+from kvtier.store.index import Eviction, Room, StoreIndex
+from kvtier.store.native import NativeStoreIndex, make_index
 from kvtier.store.policy import LRUEviction, WriteThrough
 from kvtier.store.types import EventKind, StoreEvent
 from kvtier.tiers.base import TierGeometry
 from kvtier.tiers.meta import MetaTier
 
 SLOT = 4096
+NATIVE = [False]
+
+
+@pytest.fixture(
+    autouse=True,
+    params=[
+        pytest.param(False, id="reference"),
+        pytest.param(
+            True,
+            id="native",
+            marks=pytest.mark.skipif(NativeStoreIndex is None, reason="C core not built"),
+        ),
+    ],
+)
+def implementation(request: pytest.FixtureRequest) -> None:
+    NATIVE[0] = request.param
 
 
 def key(i: int) -> ChunkKey:
@@ -24,7 +43,8 @@ def key(i: int) -> ChunkKey:
 def index(*slots: int) -> tuple[StoreIndex, list[StoreEvent]]:
     tiers = [MetaTier(TierGeometry(f"t{i}", n * SLOT, SLOT, 1 << 20)) for i, n in enumerate(slots)]
     events: list[StoreEvent] = []
-    return StoreIndex(tiers, LRUEviction, WriteThrough(), events.append), events
+    ix = make_index(tiers, LRUEviction, WriteThrough(), events.append, native=NATIVE[0])
+    return ix, events
 
 
 def store(ix: StoreIndex, t: int, keys: list[ChunkKey]) -> None:
@@ -89,7 +109,8 @@ def test_a_completed_move_repoints_and_counts_its_direction() -> None:
     extents = ix.tiers[1].allocate(2)
     assert extents is not None
     landed = [
-        Slot(sl.key, 1, extents[0].offset + j, sl.value_bytes) for j, sl in enumerate(claimed)
+        ix.new_slot(sl.key, 1, extents[0].offset + j, sl.value_bytes)
+        for j, sl in enumerate(claimed)
     ]
     free_below = ix.tiers[1].free_slots
     # The second copy failed: that chunk stays where it was, its landing slot goes back.

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvtier.config import Switch
-from kvtier.errors import ConfigError, TierUnavailableError
+from kvtier.errors import ConfigError, InputError, TierUnavailableError
 from kvtier.keys import ChunkKey
 from kvtier.tiers import numa
 from kvtier.tiers.base import SlotRun, TierGeometry
@@ -264,21 +264,26 @@ def test_tiers_asking_for_more_copy_threads_while_others_copy_lose_no_piece() ->
     assert errors == []
 
 
-# -- the host tier's copies: one C memcpy, or numpy without the C speedups --------------
+# -- the host tier's copies: one native call (kvtier._core), one C memcpy
+# (kvtier._speedups), or numpy without either ---------------------------------------------
 
 
-@pytest.mark.parametrize("c_copy", [True, False], ids=["c", "numpy"])
+@pytest.mark.parametrize("way", ["core", "c", "numpy"])
 @pytest.mark.parametrize("value_bytes", [4096, 4096 - 64])  # fills slots, or not
 @pytest.mark.parametrize("n", [1, 3])
 def test_host_tier_copies_only_the_runs_bytes(
-    monkeypatch: pytest.MonkeyPatch, c_copy: bool, value_bytes: int, n: int
+    monkeypatch: pytest.MonkeyPatch, way: str, value_bytes: int, n: int
 ) -> None:
     import kvtier.tiers.host as host_mod
 
-    if not c_copy:
-        monkeypatch.setattr(host_mod, "_copy_c", None)
-    elif host_mod._copy_c is None:
+    if way == "core" and host_mod._copy_slots is None:
+        pytest.skip("kvtier._core is not built")
+    if way == "c" and host_mod._copy_c is None:
         pytest.skip("kvtier._speedups is not built")
+    if way != "core":
+        monkeypatch.setattr(host_mod, "_copy_slots", None)
+    if way == "numpy":
+        monkeypatch.setattr(host_mod, "_copy_c", None)
     slot = 4096
     tier = HostTier(TierGeometry("h", 8 * slot, slot, 8 * slot), Options(pin=Switch.OFF))
     try:
@@ -295,6 +300,10 @@ def test_host_tier_copies_only_the_runs_bytes(
             assert (arena[(2 + j) * slot + value_bytes : (3 + j) * slot] == 0xEE).all()
         # A buffer of another size than the run is refused, not copied in part or past it.
         for wrong in (n * value_bytes + 1, n * value_bytes - 1):
+            with pytest.raises(InputError):
+                tier.write(run, memoryview(bytearray(wrong)))
+            with pytest.raises(InputError):
+                tier.read(run, memoryview(bytearray(wrong)))
             with pytest.raises(ValueError):
                 host_mod.copy_in(arena, slot, run, memoryview(bytearray(wrong)))
             with pytest.raises(ValueError):
@@ -302,6 +311,28 @@ def test_host_tier_copies_only_the_runs_bytes(
         assert (arena[(2 + n) * slot :] == 0xEE).all()
     finally:
         tier.close()
+
+
+def test_the_native_slot_copy_refuses_what_the_tier_would() -> None:
+    core = pytest.importorskip("kvtier._core")
+    arena = np.zeros(4 * 64, dtype=np.uint8)
+    core.copy_slots(arena, 64, 1, 2, 60, b"a" * 120, True)  # two values of 60 in slots 1, 2
+    assert bytes(arena[64:124]) == b"a" * 60 and bytes(arena[124:128]) == b"\0" * 4
+    out = bytearray(120)
+    core.copy_slots(arena, 64, 1, 2, 60, out, False)
+    assert out == b"a" * 120
+    with pytest.raises(InputError):  # a value longer than its slot
+        core.copy_slots(arena, 64, 0, 1, 65, b"a" * 65, True)
+    with pytest.raises(InputError):  # a buffer of another size than the run
+        core.copy_slots(arena, 64, 0, 2, 60, b"a" * 119, True)
+    with pytest.raises(ValueError):  # past the arena's end
+        core.copy_slots(arena, 64, 3, 2, 64, b"a" * 128, True)
+    with pytest.raises(BufferError):  # a read into a read-only buffer
+        core.copy_slots(arena, 64, 0, 1, 64, b"a" * 64, False)
+    big = np.arange(1 << 18, dtype=np.uint32).view(np.uint8)  # over the GIL-free size
+    arena = np.zeros(2 * big.nbytes, dtype=np.uint8)
+    core.copy_slots(arena, big.nbytes, 1, 1, big.nbytes, big, True)
+    assert np.array_equal(arena[big.nbytes :], big)
 
 
 def test_the_c_copy_refuses_ranges_outside_its_buffers() -> None:

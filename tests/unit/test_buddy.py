@@ -1,4 +1,8 @@
-"""The buddy allocator never overlaps, loses or double-frees units."""
+"""The buddy allocator never overlaps, loses or double-frees units.
+
+Every test runs on both implementations: the Python reference and the native one
+(``kvtier/_core.c``, skipped where it was not built). ``test_buddy_native.py`` checks
+that they agree operation by operation."""
 
 from __future__ import annotations
 
@@ -7,8 +11,22 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvtier.alloc import BuddyAllocator, decompose
+from kvtier.alloc import BuddyAllocator, NativeBuddyAllocator, decompose
 from kvtier.errors import InputError
+
+IMPLS = [
+    pytest.param(BuddyAllocator, id="reference"),
+    pytest.param(
+        NativeBuddyAllocator,
+        id="native",
+        marks=pytest.mark.skipif(NativeBuddyAllocator is None, reason="C core not built"),
+    ),
+]
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request: pytest.FixtureRequest) -> type[BuddyAllocator]:
+    return request.param  # type: ignore[no-any-return]
 
 
 def test_decompose_is_binary_with_cap() -> None:
@@ -21,8 +39,8 @@ def test_decompose_is_binary_with_cap() -> None:
         assert len(orders) == bin(n).count("1")
 
 
-def test_run_follows_binary_decomposition_and_is_aligned() -> None:
-    a = BuddyAllocator(4096, 12)
+def test_run_follows_binary_decomposition_and_is_aligned(impl: type[BuddyAllocator]) -> None:
+    a = impl(4096, 12)
     exts = a.allocate_run(188)
     assert exts is not None
     assert [e.order for e in exts] == [7, 5, 4, 3, 2]
@@ -30,8 +48,8 @@ def test_run_follows_binary_decomposition_and_is_aligned() -> None:
         assert e.offset % e.units == 0
 
 
-def test_fragmented_arena_still_serves_runs_when_units_are_free() -> None:
-    a = BuddyAllocator(64, 6)
+def test_fragmented_arena_still_serves_runs_when_units_are_free(impl: type[BuddyAllocator]) -> None:
+    a = impl(64, 6)
     singles = [a.allocate(0) for _ in range(64)]
     for e in singles[::2]:  # free every other unit: 32 free, no two adjacent
         assert e is not None
@@ -42,8 +60,10 @@ def test_fragmented_arena_still_serves_runs_when_units_are_free() -> None:
     assert a.free_units == 0
 
 
-def test_double_free_and_foreign_free_are_refused_without_change() -> None:
-    a = BuddyAllocator(32, 5)
+def test_double_free_and_foreign_free_are_refused_without_change(
+    impl: type[BuddyAllocator],
+) -> None:
+    a = impl(32, 5)
     e = a.allocate(2)
     assert e is not None
     a.free(e.offset, 4)
@@ -55,10 +75,10 @@ def test_double_free_and_foreign_free_are_refused_without_change() -> None:
     assert a.stats() == before
 
 
-def test_a_range_over_adjacent_blocks_is_freed_in_one_call() -> None:
+def test_a_range_over_adjacent_blocks_is_freed_in_one_call(impl: type[BuddyAllocator]) -> None:
     # The store releases a deleted sequence's slots a run at a time; a run can span
     # several adjacent extents (here [0, 2) and [2, 4), which form no block of 4).
-    a = BuddyAllocator(16, 4)
+    a = impl(16, 4)
     first, second = a.allocate(1), a.allocate(1)
     assert first is not None and second is not None
     assert (first.offset, second.offset) == (0, 2)
@@ -67,8 +87,8 @@ def test_a_range_over_adjacent_blocks_is_freed_in_one_call() -> None:
     assert a.free_blocks()[0].units == 16  # coalesced back into one block
 
 
-def test_a_range_with_a_free_hole_is_refused_without_change() -> None:
-    a = BuddyAllocator(16, 4)
+def test_a_range_with_a_free_hole_is_refused_without_change(impl: type[BuddyAllocator]) -> None:
+    a = impl(16, 4)
     a.allocate(1)
     a.allocate(1)
     a.free(2, 1)  # [2, 3) free again: [0, 4) is no longer allocated throughout
@@ -78,8 +98,8 @@ def test_a_range_with_a_free_hole_is_refused_without_change() -> None:
     assert (a.free_units, a.allocated_blocks(), a.free_blocks()) == before
 
 
-def test_claim_rebuilds_state() -> None:
-    a = BuddyAllocator(100, 4)
+def test_claim_rebuilds_state(impl: type[BuddyAllocator]) -> None:
+    a = impl(100, 4)
     a.claim(5, 7)
     assert a.used_units == 7
     with pytest.raises(InputError):
@@ -92,9 +112,11 @@ def test_claim_rebuilds_state() -> None:
 class AllocatorMachine(RuleBasedStateMachine):
     """Model: a set of owned unit ranges. The allocator must agree with it at every step."""
 
+    make: type[BuddyAllocator] = BuddyAllocator
+
     @initialize(cap=st.integers(1, 300), max_order=st.integers(0, 9))
     def setup(self, cap: int, max_order: int) -> None:
-        self.a = BuddyAllocator(cap, max_order)
+        self.a = self.make(cap, max_order)
         self.cap = cap
         self.owned: dict[int, int] = {}  # unit -> run id
         self.runs: dict[int, list[tuple[int, int]]] = {}
@@ -187,3 +209,11 @@ AllocatorMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None
 )
 TestAllocatorMachine = AllocatorMachine.TestCase
+
+if NativeBuddyAllocator is not None:
+
+    class NativeAllocatorMachine(AllocatorMachine):
+        make = NativeBuddyAllocator
+
+    NativeAllocatorMachine.TestCase.settings = AllocatorMachine.TestCase.settings
+    TestNativeAllocatorMachine = NativeAllocatorMachine.TestCase
