@@ -18,6 +18,10 @@ Suites (file in LMCache's tests: kvtier plug-in):
 
 * ``v1/storage_backend/test_remote_storage_plugin.py``: ``KVTierConnectorAdapter`` /
   ``KVTierRemoteConnector``;
+* ``v1/storage_backend/test_fs_connector.py`` (LMCache's ``RemoteBackend`` over a
+  connector): ``KVTierConnectorAdapter`` in place of the ``fs`` connector;
+* ``v1/test_connector.py::test_fs_connector`` (a connector alone: ``save_chunk_meta``
+  on and off, full and partial chunks, MLA): ``KVTierConnectorAdapter`` likewise;
 * ``v1/storage_backend/test_storage_plugin.py``: ``KVTierStoragePlugin``;
 * ``v1/distributed/test_mock_l2_adapter.py`` (the L2 adapter contract):
   ``KVTierL2Adapter``;
@@ -48,12 +52,21 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvtier
 
 # The adaptation layer, written beside LMCache's tests as ``kvtier_conformance.py``.
 HELPER = '''
-"""kvtier's side of the conformance run (written by scripts/lmcache_conformance.py)."""
-import atexit, itertools, os, socket, subprocess, sys, tempfile, time
+"""kvtier's side of the conformance run (written by scripts/lmcache_conformance.py).
+
+Also a pytest plug-in (``-p kvtier_conformance``): see pytest_unconfigure.
+"""
+import gc, itertools, os, socket, subprocess, sys, tempfile, time, traceback
 import httpx
+import pytest
 
 TENANTS = 256
-_daemon = None
+# Memory only, nothing kept. Small: slots of 1 MiB (most of LMCache's test values are
+# KiB). Large: slots for the 32 MiB chunks (and their header) of LMCache's connector
+# test, few of them.
+SLOTS = {False: ("1MiB", "512MiB"), True: ("33MiB", "512MiB")}
+_daemons = {}
+_procs = []
 _tokens = itertools.count()
 
 
@@ -63,24 +76,24 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def daemon_url():
-    """A kvtier daemon for this pytest process (started once, stopped at exit)."""
-    global _daemon
-    if _daemon is None:
+def daemon_url(large=False):
+    """A kvtier daemon for this pytest process (started once, stopped at the end)."""
+    if large not in _daemons:
         port = _free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
         for i in range(TENANTS):
             env[f"KVTIER_SERVICE__TOKENS__T{i}"] = f"conformance-token-{i}"
         log = open(os.path.join(tempfile.gettempdir(), f"kvtier-conformance-{port}.log"), "wb")
+        value, capacity = SLOTS[large]
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvtier.cli.main", "serve", "--port", str(port),
-             # Memory only, slots of 1 MiB (LMCache's test values are KiB), nothing kept.
-            "--set", "service.max_value_bytes=1MiB", "--set", "tiers.0.capacity_bytes=512MiB",
+            "--set", f"service.max_value_bytes={value}",
+            "--set", f"tiers.0.capacity_bytes={capacity}",
             "--set", "tiers.0.prefault=false", "--set", "tiers.0.pin=off",
             "--set", "store.io_threads=2", "--set", "service.data_dir="],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )
-        atexit.register(lambda: (proc.terminate(), proc.wait(30)))
+        _procs.append(proc)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while True:
@@ -92,13 +105,64 @@ def daemon_url():
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the kvtier daemon did not start: see " + log.name)
             time.sleep(0.2)
-        _daemon = url
-    return _daemon
+        _daemons[large] = url
+    return _daemons[large]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Once a failure is reported, drop the failed test's frames: LMCache's connector
+    test frees its 1 GiB allocator only when it passes, and its frames would keep
+    every failed test's allocator, connector and load pool alive until the end."""
+    yield
+    if call.excinfo is not None:
+        traceback.clear_frames(call.excinfo.tb)
+        sys.last_traceback = sys.last_value = None
+        gc.collect()
+
+
+_exit_status = [0]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    _exit_status[0] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Stop the daemons, then end the process with pytest's status: pytest has written
+    its report. A failing LMCache connector test leaves its event-loop thread running
+    (it closes the loop only on success), which would keep the process alive for ever."""
+    for proc in _procs:
+        proc.terminate()
+    for proc in _procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_exit_status[0])
 
 
 def next_token():
     """A tenant of its own: each adapter starts empty, as LMCache's fixtures do."""
     return f"conformance-token-{next(_tokens) % TENANTS}"
+
+
+def remote_extra(name):
+    """LMCache's extra_config for kvtier's remote plug-in under ``name``, a tenant of its
+    own (the suite's fixtures start each test in a fresh directory: empty)."""
+    p = "remote_storage_plugin." + name
+    return {
+        p + ".module_path": "kvtier.connectors.lmcache",
+        p + ".class_name": "KVTierConnectorAdapter",
+        p + ".url": daemon_url(large=True),
+        p + ".token": next_token(),
+        # The load pool (default 1 GiB) small: LMCache's tests load a chunk or a few.
+        p + ".shared_bytes": "256MiB",
+    }
 
 
 def l2_params(capacity_bytes=None):
@@ -138,12 +202,29 @@ class Swap:
 
 
 REMOTE = "tests/v1/storage_backend/test_remote_storage_plugin.py"
+REMOTE_BACKEND = "tests/v1/storage_backend/test_fs_connector.py"
+CONNECTOR = "tests/v1/test_connector.py"
 STORAGE = "tests/v1/storage_backend/test_storage_plugin.py"
 L2_CONTRACT = "tests/v1/distributed/test_mock_l2_adapter.py"
 L2_DELETE = "tests/v1/distributed/test_fs_l2_adapter_delete.py"
 E2E = "tests/v1/mp_coordinator/test_mp_server_e2e.py"
 HARNESS = "tests/v1/mp_coordinator/mp_server_harness.py"
-SUITES = (REMOTE, STORAGE, L2_CONTRACT, L2_DELETE, E2E)
+# A suite is a file, or one test of a file (``file::test``): the rest of
+# test_connector.py tests LMCache's redis connectors.
+SUITES = (
+    REMOTE,
+    REMOTE_BACKEND,
+    f"{CONNECTOR}::test_fs_connector",
+    STORAGE,
+    L2_CONTRACT,
+    L2_DELETE,
+    E2E,
+)
+# Suites run one pytest process per test: LMCache's connector test keeps each failed
+# test's 1 GiB allocator, its connector and the connector's load pool until the process
+# ends (it closes them only when it passes), which eight tests in one process do not
+# survive on a small machine.
+ONE_PROCESS_PER_TEST = {f"{CONNECTOR}::test_fs_connector"}
 
 
 def _remote_entry(name: str, indent: str = "    ") -> str:
@@ -190,6 +271,71 @@ SWAPS = (
         REMOTE,
         'remote_storage_plugins = ["mock_connector_1", "mock_connector_2"]',
         'remote_storage_plugins = ["kvtier.a", "kvtier.b"]',
+    ),
+    # -- LMCache's remote backend over the fs connector: over kvtier's instead ----------
+    # Its plug-in names ("fs", "fs.primary", "fs.backup") become kvtier's ("kvtier",
+    # "kvtier.a", "kvtier.b") wherever they appear: config, the name passed, the name read.
+    Swap(
+        REMOTE_BACKEND,
+        "\n# First Party\nfrom lmcache.utils",
+        "\n# First Party\nimport kvtier_conformance\nfrom lmcache.utils",
+    ),
+    Swap(
+        REMOTE_BACKEND,
+        '        remote_url=f"fs://host:0/{fs_path}",\n',
+        '        remote_url="plugin://kvtier",\n'
+        '        remote_storage_plugins=["kvtier"],\n'
+        '        extra_config=kvtier_conformance.remote_extra("kvtier"),\n',
+    ),
+    Swap(
+        REMOTE_BACKEND,
+        '        remote_storage_plugins=["fs"],\n'
+        '        remote_serde="naive",\n'
+        '        lmcache_instance_id="test_instance",\n'
+        "        extra_config={\n"
+        '            "remote_storage_plugin.fs.base_path": fs_path,\n'
+        "        },\n",
+        '        remote_storage_plugins=["kvtier"],\n'
+        '        remote_serde="naive",\n'
+        '        lmcache_instance_id="test_instance",\n'
+        '        extra_config=kvtier_conformance.remote_extra("kvtier"),\n',
+    ),
+    Swap(
+        REMOTE_BACKEND,
+        '        remote_storage_plugins=["fs.primary", "fs.backup"],\n'
+        '        remote_serde="naive",\n'
+        '        lmcache_instance_id="test_instance",\n'
+        "        extra_config={\n"
+        '            "remote_storage_plugin.fs.primary.base_path": fs_path1,\n'
+        '            "remote_storage_plugin.fs.backup.base_path": fs_path2,\n'
+        "        },\n",
+        '        remote_storage_plugins=["kvtier.a", "kvtier.b"],\n'
+        '        remote_serde="naive",\n'
+        '        lmcache_instance_id="test_instance",\n'
+        "        extra_config={\n"
+        '            **kvtier_conformance.remote_extra("kvtier.a"),\n'
+        '            **kvtier_conformance.remote_extra("kvtier.b"),\n'
+        "        },\n",
+    ),
+    Swap(REMOTE_BACKEND, 'plugin_name="fs",', 'plugin_name="kvtier",'),
+    Swap(REMOTE_BACKEND, 'backend.plugin_name == "fs"', 'backend.plugin_name == "kvtier"'),
+    Swap(REMOTE_BACKEND, 'plugin_name="fs.primary",', 'plugin_name="kvtier.a",'),
+    Swap(REMOTE_BACKEND, 'plugin_name="fs.backup",', 'plugin_name="kvtier.b",'),
+    # -- LMCache's connector test (save_chunk_meta, partial chunks, MLA): kvtier's -------
+    Swap(CONNECTOR, "# First Party\n", "# First Party\nimport kvtier_conformance\n"),
+    Swap(CONNECTOR, 'url = f"fs://host:0/{temp_dir}/"', 'url = "plugin://kvtier"'),
+    Swap(
+        CONNECTOR,
+        "        config = LMCacheEngineConfig.from_defaults(\n"
+        '            extra_config={"save_chunk_meta": save_chunk_meta}\n'
+        "        )\n",
+        "        config = LMCacheEngineConfig.from_defaults(\n"
+        '            remote_storage_plugins=["kvtier"],\n'
+        "            extra_config={\n"
+        '                "save_chunk_meta": save_chunk_meta,\n'
+        '                **kvtier_conformance.remote_extra("kvtier"),\n'
+        "            },\n"
+        "        )\n",
     ),
     # -- the storage plug-in: KVTierStoragePlugin under the name "mock_backend" ----------
     Swap(STORAGE, "# First Party\n", "# First Party\nimport kvtier_conformance\n"),
@@ -248,18 +394,51 @@ TIMING = (
     "asserts the mock's simulated bandwidth (a store of 40 KB must take > 0.1 s); kvtier "
     "does not slow down on purpose"
 )
+FS_URL = (
+    "asserts the fs connector's URL (fs://host:0/<its directory>) as the backend's "
+    "remote_url; kvtier's plug-in is named by plugin://kvtier"
+)
+FS_FILES = (
+    "counts the fs connector's files in its directory (one <key>.data file, its size with "
+    "or without LMCache's 28-byte header), after every check of the connector passed; "
+    "kvtier keeps chunks in its daemon, not in the test's directory"
+)
+
+
+@dataclass(frozen=True)
+class Known:
+    """A failure explained: ``reason``, when the failure's report holds ``at`` (the
+    assertion that failed; empty: any). A test named ``name`` matches, and so does each
+    of its parameter sets (``name[...]``)."""
+
+    reason: str
+    at: str = ""
+
+
 _LAUNCHER = f"{REMOTE}::TestConnectorPluginLauncher::test_remote_storage_plugin"
-KNOWN: dict[str, str] = {
-    f"{_LAUNCHER}_adapter_is_loaded": CLASS_NAME,
-    f"{_LAUNCHER}_creates_connector": CLASS_NAME,
-    f"{_LAUNCHER}_multiple_plugins": CLASS_NAME,
-    f"{STORAGE}::TestCreateDynamicBackends::test_storage_plugin_is_loaded": CLASS_NAME,
-    f"{L2_CONTRACT}::TestBandwidthSimulation::test_store_completion_is_delayed_by_bandwidth": (
-        TIMING
+KNOWN: dict[str, Known] = {
+    f"{_LAUNCHER}_adapter_is_loaded": Known(CLASS_NAME, "MockTest"),
+    f"{_LAUNCHER}_creates_connector": Known(CLASS_NAME, "MockTest"),
+    f"{_LAUNCHER}_multiple_plugins": Known(CLASS_NAME, "MockTest"),
+    f"{STORAGE}::TestCreateDynamicBackends::test_storage_plugin_is_loaded": Known(
+        CLASS_NAME, "MockStoragePlugin"
     ),
+    f"{L2_CONTRACT}::TestBandwidthSimulation::test_store_completion_is_delayed_by_bandwidth": (
+        Known(TIMING, "elapsed > 0.1")
+    ),
+    f"{REMOTE_BACKEND}::TestFSConnector::test_init": Known(FS_URL, "backend.remote_url =="),
+    f"{CONNECTOR}::test_fs_connector": Known(FS_FILES, "assert len(files) == 1"),
 }
 # Every other test of the storage plug-in suite goes through the double's spy fields.
-SPY_FILES = {STORAGE: SPY}
+SPY_FILES = {STORAGE: Known(SPY, "object has no attribute")}
+
+
+def known(name: str, report: str) -> str:
+    """Why the failure of test ``name`` (its report: message and traceback) is an
+    LMCache-internal assumption; empty when it is not a known one."""
+    k = KNOWN.get(name) or KNOWN.get(name.split("[", 1)[0])
+    k = k or SPY_FILES.get(name.split("::", 1)[0])
+    return k.reason if k is not None and k.at in report else ""
 
 
 @dataclass
@@ -317,21 +496,48 @@ def adapt(root: Path) -> None:
         f.write_text(text.replace(s.old, s.new))
 
 
-def run_suite(root: Path, suite: str, out: Path, extra: list[str]) -> FileResult:
-    xml = out / (suite.replace("/", "_") + ".xml")
+def _pytest(root: Path, adapted: bool) -> tuple[list[str], dict[str, str]]:
     env = {**os.environ, "PYTHONPATH": str(root), "RUN_MP_E2E": "1"}
     env = {k: v for k, v in env.items() if not k.startswith("KVTIER_")}
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-o", "log_cli=false"]
-    cmd += ["--rootdir", str(root), f"--junitxml={xml}", suite, *extra]
-    subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
+    if adapted:
+        cmd += ["-p", "kvtier_conformance"]
+    return [*cmd, "--rootdir", str(root)], env
+
+
+def run_suite(
+    root: Path, suite: str, out: Path, extra: list[str], adapted: bool = True
+) -> FileResult:
+    """One suite: one pytest process, or one per test for :data:`ONE_PROCESS_PER_TEST`."""
+    cmd, env = _pytest(root, adapted)
+    ids = [suite]
+    if suite in ONE_PROCESS_PER_TEST:
+        listed = subprocess.run(
+            [*cmd, "--collect-only", suite, *extra],  # with cmd's -q: one id a line
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        ids = [line for line in listed.stdout.splitlines() if line.startswith(suite)] or ids
     res = FileResult(suite)
-    if not xml.is_file():
-        res.failures.append({"test": suite, "message": "pytest wrote no report", "known": ""})
-        res.failed = 1
-        return res
+    for i, node in enumerate(ids):
+        xml = out / f"{suite.split('::', 1)[0].replace('/', '_')}.{i}.xml"
+        run = [*cmd, f"--junitxml={xml}", node, *extra]
+        subprocess.run(run, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
+        if not xml.is_file():
+            res.failures.append({"test": node, "message": "pytest wrote no report", "known": ""})
+            res.failed += 1
+            continue
+        _count(res, suite.split("::", 1)[0], xml)
+    return res
+
+
+def _count(res: FileResult, path: str, xml: Path) -> None:
     for case in ET.parse(xml).getroot().iter("testcase"):
-        name = f"{suite}::{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
-        name = name.replace("::test_" + suite.rsplit("/", 1)[-1][5:-3] + "::", "::")
+        name = f"{path}::{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        name = name.replace("::test_" + path.rsplit("/", 1)[-1][5:-3] + "::", "::")
         bad = case.find("failure")
         if bad is None:
             bad = case.find("error")
@@ -339,14 +545,13 @@ def run_suite(root: Path, suite: str, out: Path, extra: list[str]) -> FileResult
             res.skipped += 1
         elif bad is not None:
             res.failed += 1
-            known = KNOWN.get(name) or SPY_FILES.get(suite, "")
+            report = (bad.get("message") or "") + "\n" + (bad.text or "")
             msg = (bad.get("message") or "").splitlines()
             res.failures.append(
-                {"test": name, "message": msg[0][:300] if msg else "", "known": known}
+                {"test": name, "message": msg[0][:300] if msg else "", "known": known(name, report)}
             )
         else:
             res.passed += 1
-    return res
 
 
 def main(argv: list[str]) -> int:
@@ -369,7 +574,7 @@ def main(argv: list[str]) -> int:
             root = extract(archive, Path(tmp) / label)
             if adapted:
                 adapt(root)
-            results = [run_suite(root, s, Path(tmp), extra) for s in suites]
+            results = [run_suite(root, s, Path(tmp) / label, extra, adapted) for s in suites]
             doc[label] = [asdict(r) for r in results]
             what = "kvtier plug-ins" if adapted else "LMCache's own backends"
             print(f"\n{label}: {what}")

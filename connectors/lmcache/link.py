@@ -167,6 +167,14 @@ class DaemonLink:
         lengths: tuple[int, ...] = got.value_bytes if got is not None else ()
         return lengths
 
+    def get_value(self, key: ChunkKey) -> bytes | None:
+        """One value, whole, whatever its length; None for a miss or when the daemon
+        cannot be asked."""
+        got: bytes | None = self._breaker.call(
+            "load of 1 chunk", lambda: self._client.get(key), None
+        )
+        return got
+
     def shared_region(self, nbytes: int) -> npt.NDArray[np.uint8] | None:
         """Memory shared with the daemon (at most ``nbytes``); None while the daemon is
         not reachable through its same-host channel. Never raises."""

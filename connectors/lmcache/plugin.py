@@ -265,7 +265,7 @@ class KVTierStoragePlugin(StoragePluginInterface):  # type: ignore[misc]  # LMCa
             results,
             span_list,
             self.full_chunk_size_bytes,
-            functools.partial(RemoteConnector.reshape_partial_chunk, self),
+            lambda obj, value: RemoteConnector.reshape_partial_chunk(self, obj, value.nbytes),
         )
 
     @override

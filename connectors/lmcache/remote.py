@@ -18,10 +18,12 @@ connector reads its own settings. Each call runs
 the blocking HTTP request on this connector's own threads, so the loop never waits on
 a socket and several chunks move at once.
 
-Values are the chunk's bytes as LMCache hands them over (``memory_obj.byte_array``),
-without LMCache's metadata header: the shape follows from the engine's metadata and
-the value's length, as LMCache's own ``fs`` connector does without ``save_chunk_meta``
-(a partial last chunk is shortened by ``reshape_partial_chunk``). Loads are one copy:
+Values are the chunk's bytes as LMCache hands them over (``memory_obj.byte_array``).
+A chunk of the engine's layout (full, or a partial last chunk, which
+``reshape_partial_chunk`` shortens) is stored bare: the engine's metadata and the
+value's length say its shape. Under ``save_chunk_meta`` (LMCache's default) a value of
+any other layout is stored with its shapes, dtypes and format (:mod:`.layout`) and comes
+back as it went in. Loads of bare values are one copy:
 from a daemon on this host, into memory objects of a pool shared with it (:mod:`.pool`,
 ``shared_bytes``, default 1 GiB, at most LMCache's ``max_local_cpu_size``; made at the
 first load, not when the connector is built; LMCache's own memory once the pool is
@@ -38,6 +40,7 @@ daemon's placement, never an error here.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import threading
 import time
@@ -59,10 +62,11 @@ from kvtier.errors import ConfigError
 from kvtier.units import GiB
 
 from .keys import engine_key
+from .layout import Geometry, describe, parse
 from .link import DaemonLink
 from .pool import LoadPool, page_lock
 from .settings import REMOTE_PREFIX, daemon_settings, plugin_name, shared_bytes
-from .spans import collect, spans, split
+from .spans import Span, collect, spans, split
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +81,23 @@ POOL_RETRY_S = 5.0
 # Keys list() can name: the most recent stores of this connector (the daemon keeps keyed
 # hashes of keys, which cannot be listed back).
 LIST_KEYS = 65536
+
+
+class _Then(enum.Enum):
+    """What a load does after one pass over its keys."""
+
+    STOP = enum.auto()  # every key loaded, or the run ends here
+    AGAIN = enum.auto()  # a described value ended the pass: ask for the keys after it
+    ASK = enum.auto()  # the next key missed: ask for it whole (it may not have fit)
+
+
+class _Landed(enum.Enum):
+    """How one value of a pass landed."""
+
+    FULL = enum.auto()
+    PARTIAL = enum.auto()
+    DESCRIBED = enum.auto()
+    MALFORMED = enum.auto()
 
 
 class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache is untyped
@@ -115,6 +136,16 @@ class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache i
             self.meta_dtypes: list[Any] = []
             self.meta_fmt = None
             self.full_chunk_size_bytes = self.single_token_size = 0
+        # The layout bare values are read back with (None in the scheduler role).
+        self.geometry: Geometry | None = None
+        if meta is not None:
+            self.geometry = Geometry(
+                self.meta_shapes,
+                self.meta_dtypes,
+                self.meta_fmt,
+                self.full_chunk_size_bytes,
+                self.single_token_size,
+            )
         extra = cfg.extra_config or {}
         name = plugin_name or _name(cfg, extra)
         self.settings = daemon_settings(extra, f"{REMOTE_PREFIX}.{name}")
@@ -224,14 +255,35 @@ class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache i
         asks (:meth:`_load_in_place`). Otherwise a few requests per span of back-to-back
         memory objects (usually the whole run: see :mod:`.spans`), at most four in
         flight: one request per chunk paid a round trip each; one for the whole run left
-        the daemon's reads and the client's receive in sequence. Either way the values
-        land straight in LMCache's memory.
+        the daemon's reads and the client's receive in sequence. Either way bare values
+        land straight in LMCache's memory, in one pass.
+
+        A described value (:mod:`.layout`) ends a pass: it is copied into an object of
+        its own layout and the next pass asks for the keys after it. One that did not
+        fit where its pass put it (longer than a chunk) comes back as a miss there, so
+        the key a pass stopped at is asked for once more, whole.
         """
         if not keys or self.full_chunk_size_bytes == 0:
             return []  # the scheduler role: nothing to load into
-        if self.load_pool is not None or (self.shared_bytes and self._load_pool_retry_at == 0):
-            # The pool (made at the first load, on an I/O thread) while it serves.
-            return await self._run(self._load_in_place, keys)
+        out: list[MemoryObj] = []
+        while len(out) < len(keys):
+            rest = keys[len(out) :]
+            if self.load_pool is not None or (self.shared_bytes and self._load_pool_retry_at == 0):
+                # The pool (made at the first load, on an I/O thread) while it serves.
+                got, then = await self._run(self._load_in_place, rest)
+            else:
+                got, then = await self._load_spans(rest)
+            out += got
+            if then is _Then.ASK:
+                whole = await self._run(self._load_whole, rest[len(got)])
+                if whole is None:
+                    break
+                out.append(whole)
+            elif then is _Then.STOP:
+                break
+        return out
+
+    async def _load_spans(self, keys: Sequence[CacheEngineKey]) -> tuple[list[MemoryObj], _Then]:
         objs = await self._run(self._allocate, len(keys))
         span_list = split(spans(objs, self.full_chunk_size_bytes), self.full_chunk_size_bytes, 4)
         ks = [engine_key(k) for k in keys]
@@ -241,11 +293,9 @@ class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache i
                 for sp in span_list
             )
         )
-        return collect(
-            objs, results, span_list, self.full_chunk_size_bytes, self.reshape_partial_chunk
-        )
+        return self._collect(objs, results, span_list)
 
-    def _load_in_place(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj]:
+    def _load_in_place(self, keys: Sequence[CacheEngineKey]) -> tuple[list[MemoryObj], _Then]:
         """Allocate and load on this thread, one request per span, in order.
 
         With the objects in memory the daemon maps, no bytes cross the socket, so
@@ -266,9 +316,76 @@ class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache i
             )
             short = len(got) < sp.count
             results.append(got)
-        return collect(
-            objs, results, span_list, self.full_chunk_size_bytes, self.reshape_partial_chunk
-        )
+        return self._collect(objs, results, span_list)
+
+    def _collect(
+        self, objs: list[MemoryObj], results: Sequence[Sequence[int]], span_list: list[Span]
+    ) -> tuple[list[MemoryObj], _Then]:
+        """One pass's loaded run, and what the load does next."""
+        last: list[_Landed] = []
+
+        def land(obj: MemoryObj, value: memoryview) -> MemoryObj:
+            return self._land(obj, value, last)
+
+        got = collect(objs, results, span_list, self.full_chunk_size_bytes, land)
+        if len(got) == len(objs) or (last and last[-1] is not _Landed.FULL):
+            # Done, out of memory, a partial chunk (the last), or a malformed value;
+            # or a described value, after which the keys that follow are asked again.
+            described = bool(last) and last[-1] is _Landed.DESCRIBED and len(got) < len(objs)
+            return got, _Then.AGAIN if described else _Then.STOP
+        return got, _Then.ASK
+
+    def _land(self, obj: MemoryObj, value: memoryview, last: list[_Landed]) -> MemoryObj:
+        """A bare value cut to its length (LMCache's ``reshape_partial_chunk``), or a
+        described one copied into an object of its own layout (``obj`` released)."""
+        assert self.geometry is not None  # loads run only with engine metadata
+        n = value.nbytes
+        if self.geometry.bare_length(n):
+            last.append(_Landed.FULL if n == self.full_chunk_size_bytes else _Landed.PARTIAL)
+            return self.reshape_partial_chunk(obj, n)
+        last.append(_Landed.MALFORMED)
+        got = self._unpack(value)
+        last[-1] = _Landed.DESCRIBED
+        obj.ref_count_down()
+        return got
+
+    def _unpack(self, value: memoryview) -> MemoryObj:
+        """A described value, in an object LMCache allocates for its layout.
+
+        Raises:
+            ValueError: not a described value, or no memory for it (a miss either way).
+        """
+        d = parse(value)
+        obj = self.local_cpu_backend.allocate(d.shapes, d.dtypes, d.fmt)
+        if obj is None:
+            raise ValueError("no local CPU memory for a described chunk")
+        dst = obj.byte_array.cast("B")
+        if dst.nbytes != d.data.nbytes:
+            obj.ref_count_down()
+            raise ValueError(f"an object of {dst.nbytes} B for a chunk of {d.data.nbytes} B")
+        dst[:] = d.data
+        return obj
+
+    def _load_whole(self, key: CacheEngineKey) -> MemoryObj | None:
+        """One value asked for whole (a described value longer than a chunk); None for a
+        miss."""
+        value = self.link.get_value(engine_key(key))
+        if value is None:
+            return None
+        try:
+            if self.geometry is not None and self.geometry.bare_length(len(value)):
+                # Stored between the pass and this request: read it as the pass would.
+                obj = self.local_cpu_backend.allocate(
+                    self.meta_shapes, self.meta_dtypes, self.meta_fmt
+                )
+                if obj is None:
+                    return None
+                obj.byte_array.cast("B")[: len(value)] = value
+                return self.reshape_partial_chunk(obj, len(value))
+            return self._unpack(memoryview(value))
+        except ValueError as exc:
+            log.warning("kvtier under LMCache: malformed chunk, a miss: %s", exc)
+            return None
 
     @override
     async def get(self, key: CacheEngineKey) -> MemoryObj | None:
@@ -293,8 +410,21 @@ class KVTierRemoteConnector(RemoteConnector):  # type: ignore[misc]  # LMCache i
 
     # -- stores ------------------------------------------------------------------------------
 
+    def _value(self, obj: MemoryObj) -> memoryview:
+        """What is stored for ``obj``: its bytes, described when LMCache's
+        ``save_chunk_meta`` is on and the engine's layout does not imply them."""
+        view: memoryview = obj.byte_array.cast("B")
+        if (
+            not self.save_chunk_meta
+            or self.geometry is None
+            or self.geometry.implies(obj, view.nbytes)
+        ):
+            return view
+        described = describe(obj, view, self.geometry)
+        return view if described is None else memoryview(described)
+
     def _put_sync(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
-        views = [o.byte_array.cast("B") for o in objs]
+        views = [self._value(o) for o in objs]
         res = self.link.put_many([engine_key(k) for k in keys], views)
         if res is not None and res.stored + res.present:
             with self._load_pool_lock:

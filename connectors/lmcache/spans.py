@@ -97,7 +97,7 @@ def collect(
     results: Sequence[Sequence[int]],
     span_list: Sequence[Span],
     chunk_bytes: int,
-    shorten: Callable[[MemoryObj, int], MemoryObj],
+    land: Callable[[MemoryObj, memoryview], MemoryObj],
 ) -> list[MemoryObj]:
     """The leading run of loaded objects; every other object is released.
 
@@ -107,11 +107,14 @@ def collect(
             (a prefix of the span's keys; fewer means a miss or a failed read).
         span_list: the spans, in order.
         chunk_bytes: a full chunk's length.
-        shorten: LMCache's ``reshape_partial_chunk`` (raises ValueError on a length
-            that is no whole number of tokens).
+        land: the object a value makes, given the object it was read into and the
+            value's bytes (in the span: a value longer than a chunk runs on into the
+            next object's memory); e.g. LMCache's ``reshape_partial_chunk`` for the
+            value's length. It may return another object, after releasing the one it
+            was given; it raises ValueError for a value that is no chunk (a miss).
 
-    A value shorter than a chunk (the prompt's partial last chunk) is kept and ends the
-    run: the values after it in a packed span would sit at shifted offsets.
+    A value of another length than a chunk (the prompt's partial last chunk) is kept and
+    ends the run: the values after it in a packed span would sit at shifted offsets.
     """
     out: list[MemoryObj] = []
     broken = False
@@ -121,7 +124,8 @@ def collect(
             if not broken and k < len(lengths):
                 n = lengths[k]
                 try:
-                    out.append(shorten(obj, n))
+                    # Every value before this one in the span was a whole chunk.
+                    out.append(land(obj, sp.view[k * chunk_bytes : k * chunk_bytes + n]))
                     broken = n != chunk_bytes
                     continue
                 except ValueError as exc:

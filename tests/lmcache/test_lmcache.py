@@ -374,7 +374,7 @@ def test_remote_load_asks_span_by_span_and_stops_at_a_short_one(
         # All four held: the pool's two slots are one span, LMCache's memory one or two
         # more (its objects need not lie back to back); one get per span.
         before = _same_host_gets(d.url)
-        got = c._load_in_place(keys)
+        got, _ = c._load_in_place(keys)  # one pass over the keys
         pool = _pool_of(c)
         assert len(got) == 4
         n_spans = len(spans(got, CHUNK * TOKEN_BYTES))
@@ -389,7 +389,7 @@ def test_remote_load_asks_span_by_span_and_stops_at_a_short_one(
         with Client(d.url) as client:
             assert client.delete(engine_key(keys[1]))
         before = _same_host_gets(d.url)
-        got = c._load_in_place(keys)
+        got, _ = c._load_in_place(keys)  # one pass over the keys
         assert _same_host_gets(d.url) - before == 1  # the second span was never asked for
         assert len(got) == 1
         first = kv[: CHUNK * TOKEN_BYTES]
