@@ -79,6 +79,31 @@ def test_gather_then_scatter_moves_whole_blocks(make, device) -> None:
         assert not d[untouched].any()
 
 
+def test_torch_mover_moves_bytes_through_unaligned_staging_and_odd_pages() -> None:
+    """Staging at an odd byte offset (memory shared with a daemon) and pages that are no
+    multiple of a word move the same bytes as aligned ones."""
+    src = lbhnc(3)
+    dst = [torch.zeros_like(t) for t in src]
+    mover_src, mover_dst = TorchBlockMover(src), TorchBlockMover(dst)
+    blocks_out, blocks_in = [5, 2, 7], [1, 8, 3]
+    shape = (3, 3, mover_src.page_bytes)
+    raw = torch.zeros(1 + 3 * 3 * mover_src.page_bytes, dtype=torch.uint8)
+    odd = raw[1:].view(shape)
+    staging = mover_src.gather(blocks_out, out=odd)
+    assert staging.data_ptr() == odd.data_ptr()
+    assert torch.equal(odd, mover_src.gather(blocks_out))
+    mover_dst.scatter(odd, blocks_in)
+    for s, d in zip(src, dst, strict=True):
+        for b_out, b_in in zip(blocks_out, blocks_in, strict=True):
+            assert torch.equal(d[b_in], s[b_out])
+
+    odd_pages = [torch.randint(0, 255, (NB, 3, 5), dtype=torch.uint8) for _ in range(2)]
+    copies = [torch.zeros_like(t) for t in odd_pages]
+    TorchBlockMover(copies).scatter(TorchBlockMover(odd_pages).gather([4, 0]), [6, 1])
+    for s, d in zip(odd_pages, copies, strict=True):
+        assert torch.equal(d[6], s[4]) and torch.equal(d[1], s[0])
+
+
 # -- the transfer engine behind the connector's mover interface (CUDA) ----------------------
 
 POISON = 0xA5
