@@ -262,3 +262,36 @@ def test_page_view_only_for_block_compact_layouts() -> None:
 def test_mover_refuses_unequal_layers() -> None:
     with pytest.raises(SpecError):
         TorchBlockMover([torch.zeros(4, 2, 32, 128), torch.zeros(4, 1, 32, 128)])
+
+
+def test_a_cpu_load_scatters_straight_from_the_host_tier(monkeypatch) -> None:
+    """The in-place load on a CPU engine: the blocks get the stored bytes, skipped blocks
+    (vLLM's own hit) stay as they were; switched off, the caller's staged path runs."""
+    import numpy as np
+
+    from kvtier.config import load_config
+    from kvtier.connectors.vllm.inplace import load_in_place
+    from kvtier.factory import build_store
+    from kvtier.spec import KVSpec
+
+    src = lbhnc(3)
+    dst = [torch.zeros_like(t) for t in src]
+    mover = TorchBlockMover(dst)
+    bpc = 2
+    chunk = bpc * mover.block_bytes
+    cfg = load_config(None, env={}, overrides=["tiers.0.capacity_bytes=1MiB"])
+    store = build_store(cfg, spec=KVSpec(3, H, HS), chunk_bytes=chunk).store
+    try:
+        keys = [bytes([i]) * 16 for i in range(2)]
+        staged = TorchBlockMover(src).gather([0, 1, 2, 3])
+        store.put(keys, np.ascontiguousarray(staged.numpy())).result()
+        assert load_in_place(store, mover, keys, [4, 5, 6, 7], 1, bpc)
+        for s, d in zip(src, dst, strict=True):
+            assert not d[4].any()  # skipped: vLLM's own prefix-cache hit
+            for b_src, b_dst in ((1, 5), (2, 6), (3, 7)):
+                assert torch.equal(d[b_dst], s[b_src])
+        assert not load_in_place(store, mover, [bytes([9]) * 16], [8, 0], 0, bpc)  # absent
+        monkeypatch.setenv("KVTIER_LOAD_IN_PLACE", "0")
+        assert not load_in_place(store, mover, keys, [4, 5, 6, 7], 0, bpc)
+    finally:
+        store.close()
