@@ -171,6 +171,9 @@ class SchedulerSide:
         async_loads: which loads run off the engine step (settings.AsyncLoads).
         sync_failures_recover: False where vLLM mishandles a failed synchronous load
             (compat.sync_load_failures_recover): ``auto`` then runs every load off the step.
+        hold_blocks: whether a finished request keeps its blocks until its saves are
+            done (False where the workers copy a save out during the step:
+            ``WorkerSide.stage_saves``).
     """
 
     # How long a request may wait for the workers' salts and index snapshots (they
@@ -198,8 +201,10 @@ class SchedulerSide:
         can_load: bool = True,
         async_loads: AsyncLoads = AsyncLoads.AUTO,
         sync_failures_recover: bool = True,
+        hold_blocks: bool = True,
     ) -> None:
         self.scheme = scheme
+        self.hold_blocks = hold_blocks
         self.layout = layout or GroupLayout.of(scheme.spec, shape, tenants=scheme.tenants)
         # vLLM's null block id (a placeholder in the block tables of sliding-window
         # groups); the connector sets the pool's (bind_gpu_block_pool), block 0 until then.
@@ -554,7 +559,7 @@ class SchedulerSide:
         self._arrived.pop(rid, None)
         self.waits.forget(rid)
         params = self._handoff(st) if st is not None and self.role is Role.PRODUCER else None
-        return (st is not None and st.had_saves), params
+        return (st is not None and st.had_saves and self.hold_blocks), params
 
     def _handoff(self, st: _Req) -> dict[str, Any] | None:
         """A producer's answer for the consumer: the leading chunks stored or being saved."""
