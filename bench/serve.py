@@ -24,7 +24,9 @@ is sent at its arrival time whatever is still in flight (an open-loop load).
 
 Reported per row: TTFT p50/p90/p99, prompt tokens per second over the replay
 (first arrival to last answer), vLLM's local and external (connector) prefix-cache hit
-rates from its ``/metrics``, and whether each request's token equals the ``none`` row's.
+rates from its ``/metrics``, whether each request's token equals the ``none`` row's, and
+the host's load average as the replay starts and ends (TTFT under a burst is queueing:
+a row that shares the cores with other work drains its bursts slower).
 Ratios are against the ``noop`` row (or ``none`` without it). ``--no-reuse`` salts every
 request's tokens so that nothing repeats (the overhead case).
 
@@ -300,6 +302,39 @@ def _pct(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def reusable_tokens(reqs: list[Request], block: int = VLLM_BLOCK) -> list[int]:
+    """Per request: its leading tokens, in whole ``block``s, that an earlier request's
+    prompt also starts with (what any prefix cache could serve it, however large)."""
+    seen: set[int] = set()
+    out: list[int] = []
+    for r in reqs:
+        key, n, shared = 0, 0, True
+        for i in range(0, len(r.tokens) - block + 1, block):
+            key = hash((key, r.tokens[i : i + block]))  # names the whole prefix
+            if shared and key in seen:
+                n += block
+            else:
+                shared = False
+            seen.add(key)
+        out.append(n)
+    return out
+
+
+def reuse_figures(ttft: list[float], reusable: list[int], least: int) -> dict[str, Any]:
+    """TTFT percentiles of the requests with at least ``least`` reusable tokens: where a
+    cache can act at all. A trace's first turns share nothing but a system prompt, and
+    when they arrive together their burst sets the all-request percentiles."""
+    xs = [t for t, n in zip(ttft, reusable, strict=True) if n >= least]
+    if not xs:
+        return {"reuse_requests": 0}
+    return {
+        "reuse_requests": len(xs),
+        "ttft_reuse_p50_s": _pct(xs, 0.5),
+        "ttft_reuse_p90_s": _pct(xs, 0.9),
+        "ttft_reuse_p99_s": _pct(xs, 0.99),
+    }
+
+
 def _warm(url: str, model: str, vocab: int) -> None:
     """Two requests of their own tokens: the first forward passes' one-off costs."""
     rng = random.Random(99)
@@ -308,7 +343,13 @@ def _warm(url: str, model: str, vocab: int) -> None:
 
 
 def run_row(
-    a: argparse.Namespace, row: str, model: Path, reqs: list[Request], tmp: Path, vocab: int
+    a: argparse.Namespace,
+    row: str,
+    model: Path,
+    reqs: list[Request],
+    tmp: Path,
+    vocab: int,
+    reusable: list[int] | None = None,
 ) -> dict[str, Any]:
     """Start the row's server(s), replay, read the counters, stop; the row's figures."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
@@ -327,9 +368,11 @@ def run_row(
         server.wait_ready(a.start_timeout_s)
         _warm(server.url, str(model), vocab)
         before = _metrics(server.url)
+        load0 = os.getloadavg()[0]
         t0 = time.perf_counter()
         answers = asyncio.run(_replay(server.url, str(model), reqs))
         wall = time.perf_counter() - t0
+        load1 = os.getloadavg()[0]
         after = _metrics(server.url)
     finally:
         server.stop()
@@ -356,6 +399,9 @@ def run_row(
         "prompt_tokens_per_s": prompt_tokens / last_done,
         "requests_per_s": len(reqs) / last_done,
         "replay_wall_s": wall,
+        # The host's 1-minute load average as the replay starts and ends: TTFT under a
+        # burst is queueing, so other processes on the host's cores move it several-fold.
+        "load_avg_1m": [load0, load1],
         "vllm_hit_rate": rate("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
         "external_hit_rate": rate(
             "vllm:external_prefix_cache_hits_total", "vllm:external_prefix_cache_queries_total"
@@ -365,6 +411,7 @@ def run_row(
         "counters": d,
         "tokens": [x.token for x in answers],
         "ttft_s": ttft,
+        **reuse_figures(ttft, reusable or [0] * len(ttft), a.chunk_tokens),
     }
 
 
@@ -382,6 +429,8 @@ def summarise(a: argparse.Namespace, runs: list[dict[str, Any]], n: int) -> list
         "ttft_p90_s": "ttft_p90_ratio",
         "ttft_p99_s": "ttft_p99_ratio",
         "prompt_tokens_per_s": "throughput_ratio",
+        "ttft_reuse_p50_s": "ttft_reuse_p50_ratio",
+        "ttft_reuse_p99_s": "ttft_reuse_p99_ratio",
     }
     for row in a.rows:
         mine = [r for r in done if r["row"] == row]
@@ -390,7 +439,8 @@ def summarise(a: argparse.Namespace, runs: list[dict[str, Any]], n: int) -> list
             continue
         s: dict[str, Any] = {"row": row, "repeats": len(mine), "baseline": base}
         for f in (*ratios, "vllm_hit_rate", "external_hit_rate", "cached_tokens", "preemptions"):
-            s[f] = statistics.median(r[f] for r in mine)
+            if all(f in r for r in mine):  # no reusing request: no such percentiles
+                s[f] = statistics.median(r[f] for r in mine)
         same = total = 0
         for r in mine:
             ref = by.get(("none", r["repeat"]))
@@ -400,7 +450,8 @@ def summarise(a: argparse.Namespace, runs: list[dict[str, Any]], n: int) -> list
             b = by.get((base, r["repeat"])) if base else None
             if b is not None:
                 for f, name in ratios.items():
-                    r[name] = r[f] / b[f]
+                    if f in r and b.get(f):
+                        r[name] = r[f] / b[f]
         s["outputs_identical"] = f"{same}/{total}"
         for key in ratios.values():
             vals = [r[key] for r in mine if key in r]
@@ -418,6 +469,12 @@ def summarise(a: argparse.Namespace, runs: list[dict[str, Any]], n: int) -> list
                     f"{s['ttft_p90_ratio']:.2f}x  p99 {s['ttft_p99_ratio']:.2f}x  throughput "
                     f"{s['throughput_ratio']:.2f}x  outputs identical to none "
                     f"{s['outputs_identical']}"
+                    + (
+                        f"  reusing: p50 {s['ttft_reuse_p50_ratio']:.2f}x  p99 "
+                        f"{s['ttft_reuse_p99_ratio']:.2f}x"
+                        if "ttft_reuse_p50_ratio" in s
+                        else ""
+                    )
                 )
     return out
 
@@ -456,6 +513,12 @@ def main(argv: list[str]) -> int:
     )
     # Near the engine's capacity TTFT is all queueing, and a few percent of throughput
     # swings it several-fold: compare rows at an offered load well below capacity.
+    reusable = reusable_tokens(reqs)
+    reusing = sum(n >= a.chunk_tokens for n in reusable)
+    print(
+        f"{reusing} requests start with {a.chunk_tokens}+ tokens an earlier one started with "
+        f"({sum(reusable)} reusable tokens): the 'reusing' percentiles are theirs"
+    )
     offered = prompt_tokens / max(r.at_s for r in reqs)
     print(
         f"offered load {offered:.0f} prompt tokens/s; a row's throughput near it means "
@@ -470,7 +533,7 @@ def main(argv: list[str]) -> int:
             order = a.rows if rep % 2 == 0 else a.rows[::-1]
             for row in order:
                 try:
-                    r = run_row(a, row, model, reqs, tmp, geo.vocab)
+                    r = run_row(a, row, model, reqs, tmp, geo.vocab, reusable)
                 except RuntimeError as exc:
                     print(f"{row}: not run: {str(exc).splitlines()[0]}")
                     runs.append({"row": row, "repeat": rep, "error": str(exc)[-2000:]})
@@ -483,6 +546,7 @@ def main(argv: list[str]) -> int:
                     f"{r['prompt_tokens_per_s']:7.0f} prompt tok/s  vLLM hits "
                     f"{100 * r['vllm_hit_rate']:5.1f}%  external "
                     f"{100 * r['external_hit_rate']:5.1f}%  preemptions {r['preemptions']:.0f}"
+                    f"  load {r['load_avg_1m'][0]:.1f}-{r['load_avg_1m'][1]:.1f}"
                 )
         ok = True
     finally:
@@ -502,6 +566,7 @@ def main(argv: list[str]) -> int:
             prompt_tokens=prompt_tokens,
             offered_prompt_tokens_per_s=offered,
             working_set_tokens=distinct * VLLM_BLOCK,
+            reusable_tokens=reusable,
         ),
     )
     return 0

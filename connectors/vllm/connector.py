@@ -203,6 +203,13 @@ def load_refusal(vllm_config: VllmConfig) -> str | None:
     return None
 
 
+def _device_type(vllm_config: VllmConfig) -> str:
+    """The engine's device type (``cpu``, ``cuda``, ...), the same in every process."""
+    dc = vllm_config.device_config
+    kind = getattr(dc, "device_type", None) or getattr(getattr(dc, "device", None), "type", "")
+    return str(kind)
+
+
 def storing_ranks(spec: KVSpec, world_size: int) -> int:
     """Workers that store a copy of each chunk: every rank, or one per PP stage for a
     KV that every TP rank holds alike (MLA)."""
@@ -244,6 +251,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             # failed request. vLLM reads the policy right after building the connector.
             ktc.kv_load_failure_policy = "recompute"
             log.info("kvtier: kv_load_failure_policy set to 'recompute' (a failed load is a miss)")
+        # A CPU engine's workers copy a save out of vLLM's blocks during the step (a
+        # memcpy), so a finished request's blocks go back to vLLM at once; a daemon on
+        # the same host takes the copy straight into its memory on the save thread.
+        stage_saves = self.daemon is None and _device_type(vllm_config) == "cpu"
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -283,6 +294,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 sync_failures_recover=compat.sync_load_failures_recover(
                     str(vllm_config.device_config.device_type)
                 ),
+                hold_blocks=not stage_saves,
             )
             log.info(
                 "kvtier connector: %s (%s)",
@@ -298,7 +310,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
             rank_spec = replace(spec, tp_rank=get_tensor_model_parallel_rank())
             self._worker = WorkerSide(
-                self.cfg, rank_spec, get_pp_group().rank_in_group, shape, self.daemon, group_layers
+                self.cfg,
+                rank_spec,
+                get_pp_group().rank_in_group,
+                shape,
+                self.daemon,
+                group_layers,
+                stage_saves=stage_saves,
             )
 
     # -- helpers --------------------------------------------------------------------------

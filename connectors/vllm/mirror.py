@@ -176,6 +176,9 @@ class IndexUpdate:
             neither persistent nor shared), sizing the scheduler's guess of what loads
             fast (scheduler.py, ``async_loads``).
         slow_tiers: with the snapshot: the store has a persistent or shared tier.
+        slots: with the snapshot: chunks all the store's tiers hold (the connector's
+            store has a slot per entry); while its index holds fewer keys, with room for
+            every save in flight, no put evicts (scheduler.py, the save fence).
     """
 
     snapshot: bytes | None
@@ -185,6 +188,7 @@ class IndexUpdate:
     recovered: int = 0
     memory_slots: int = 0
     slow_tiers: bool = False
+    slots: int = 0
 
     def is_empty(self) -> bool:
         return self.snapshot is None and not self.added and not self.removed
@@ -205,6 +209,7 @@ class IndexFeed:
         self._added: list[bytes] = []
         self._removed: list[bytes] = []
         slots = sum(t.capacity_slots for t in store.tiers)
+        self._slots = slots
         keys = store.keys()
         filt = KeyFilter.for_capacity(max(slots, len(keys)))
         filt.add(keys)
@@ -234,6 +239,7 @@ class IndexFeed:
                 self._recovered,
                 self._memory_slots,
                 self._slow_tiers,
+                self._slots,
             )
             self._snapshot = None
             self._added, self._removed = [], []
@@ -246,6 +252,7 @@ class _Rank:
     filter: KeyFilter
     memory_slots: int = 0
     slow_tiers: bool = False
+    slots: int = 0
 
 
 @dataclass
@@ -284,6 +291,7 @@ class StoreMirror:
                     KeyFilter(len(up.snapshot), up.hashes, up.snapshot),
                     up.memory_slots,
                     up.slow_tiers,
+                    up.slots,
                 )
                 rank.filter.keys = up.recovered
             if rank is None:  # an update before its snapshot: cannot happen in order
@@ -296,6 +304,13 @@ class StoreMirror:
     def memory_chunks(self) -> int:
         """Chunks the smallest rank's memory tiers hold (0 before the snapshots)."""
         return min((r.memory_slots for r in self._ranks.values()), default=0)
+
+    def room(self) -> int:
+        """Chunks the fullest rank's store can still take before a put evicts (0 before
+        the snapshots, or when unknown)."""
+        if not self.ready():
+            return 0
+        return max(0, min(r.slots - r.filter.keys for r in self._ranks.values()))
 
     def slow_tiers(self) -> bool:
         """Whether a rank's store has a tier below memory (persistent or shared)."""

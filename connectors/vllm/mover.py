@@ -67,6 +67,24 @@ def page_view(t: torch.Tensor) -> torch.Tensor | None:
     return view
 
 
+def _wide(view: torch.Tensor) -> torch.Tensor:
+    """A ``[num_blocks, page_bytes]`` uint8 view as 8-byte words, where its pages allow."""
+    try:
+        return view.view(torch.int64)
+    except RuntimeError:  # a page or an offset that is not a multiple of 8 bytes
+        return view
+
+
+def _as(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Staging rows (``[n, page_bytes]`` uint8) as ``dtype`` words, or copied to fit."""
+    if rows.dtype == dtype:
+        return rows
+    try:
+        return rows.view(dtype)
+    except RuntimeError:  # staging at an odd offset (memory shared with a daemon)
+        return rows.contiguous().view(dtype)
+
+
 def layout_tag(t: torch.Tensor) -> str:
     """Names the byte order inside a page, so KV of two layouts never share a key."""
     if page_view(t) is None:
@@ -187,6 +205,9 @@ class TorchBlockMover(BlockMover):
             )
         self.layers = list(layers)
         self.views = [page_view(t) for t in layers]
+        # The same pages as wider words: index_copy_ and index_select cost per element,
+        # and a byte-wise copy of a page is several times slower than a word-wise one.
+        self.words = [None if v is None else _wide(v) for v in self.views]
         self.num_layers = len(layers)
         self.page_bytes = pages.pop()
         self.layout = layout_tag(layers[0])
@@ -199,9 +220,15 @@ class TorchBlockMover(BlockMover):
         return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
 
     def _gather_into(self, out: torch.Tensor, idx: torch.Tensor) -> None:
-        for layer, (t, view) in enumerate(zip(self.layers, self.views, strict=True)):
-            if view is not None:
-                torch.index_select(view, 0, idx, out=out[:, layer])
+        for layer, (t, view, words) in enumerate(
+            zip(self.layers, self.views, self.words, strict=True)
+        ):
+            if view is not None and words is not None:
+                dst = out[:, layer]
+                try:
+                    torch.index_select(words, 0, idx, out=dst.view(words.dtype))
+                except RuntimeError:  # staging at an odd offset: byte-wise into it
+                    torch.index_select(view, 0, idx, out=dst)
             else:
                 rows = t.index_select(0, idx).contiguous().view(torch.uint8)
                 out[:, layer].copy_(rows.reshape(len(idx), self.page_bytes))
@@ -226,10 +253,10 @@ class TorchBlockMover(BlockMover):
             return
         idx = self._index(block_ids)
         src = staging.to(self.device, non_blocking=True) if self.on_cuda else staging
-        for layer, (t, view) in enumerate(zip(self.layers, self.views, strict=True)):
+        for layer, (t, view) in enumerate(zip(self.layers, self.words, strict=True)):
             rows = src[:, layer]
             if view is not None:
-                view.index_copy_(0, idx, rows)
+                view.index_copy_(0, idx, _as(rows, view.dtype))
             else:
                 logical = rows.contiguous().view(t.dtype).reshape(len(idx), *t.shape[1:])
                 t.index_copy_(0, idx, logical)

@@ -132,15 +132,18 @@ def matched_chunks(
     limit: int,
     mirror: KeyMirror | StoreMirror,
     pending: dict[bytes, Any],
+    local_chunks: int = 0,
 ) -> int | None:
     """Leading chunks of ``keys`` that can be loaded, or None to ask again later.
 
     At most ``limit`` chunks (:func:`loadable_chunks`). None when the first chunk not
     yet stored is being saved right now (its confirmation arrives within a step or two;
-    waiting beats recomputing).
+    waiting beats recomputing). The first ``local_chunks`` count as matched unasked:
+    vLLM's own prefix cache holds them, and a load starts after them (each key names
+    its whole prefix).
     """
-    n = 0
-    for key in keys[:limit]:
+    n = min(local_chunks, limit)
+    for key in keys[n:limit]:
         if key not in mirror:
             return None if key in pending else n
         n += 1
@@ -168,6 +171,9 @@ class SchedulerSide:
         async_loads: which loads run off the engine step (settings.AsyncLoads).
         sync_failures_recover: False where vLLM mishandles a failed synchronous load
             (compat.sync_load_failures_recover): ``auto`` then runs every load off the step.
+        hold_blocks: whether a finished request keeps its blocks until its saves are
+            done (False where the workers copy a save out during the step:
+            ``WorkerSide.stage_saves``).
     """
 
     # How long a request may wait for the workers' salts and index snapshots (they
@@ -176,7 +182,10 @@ class SchedulerSide:
     # How long a request that would load waits for the saves planned before it arrived
     # to settle: their evictions reach the mirror with their confirmations, so the load
     # is then planned on a picture that holds them (mirror.py). Bounded: a stuck save
-    # thread costs a failed load (a recompute), never a stuck request.
+    # thread costs a failed load (a recompute), never a stuck request. Skipped while the
+    # stores have room for every save in flight (no put evicts), and for a request whose
+    # hit vLLM's own prefix cache covers (it loads nothing): under a burst the wait is a
+    # whole engine step, longer than computing what the load would bring.
     FENCE_WAIT_S = 5.0
 
     def __init__(
@@ -192,8 +201,10 @@ class SchedulerSide:
         can_load: bool = True,
         async_loads: AsyncLoads = AsyncLoads.AUTO,
         sync_failures_recover: bool = True,
+        hold_blocks: bool = True,
     ) -> None:
         self.scheme = scheme
+        self.hold_blocks = hold_blocks
         self.layout = layout or GroupLayout.of(scheme.spec, shape, tenants=scheme.tenants)
         # vLLM's null block id (a placeholder in the block tables of sliding-window
         # groups); the connector sets the pool's (bind_gpu_block_pool), block 0 until then.
@@ -291,7 +302,7 @@ class SchedulerSide:
             arrived = self._arrived[rid] = (self._step, time.monotonic())
         if not self.mirror.ready() and self._waiting_for_workers():
             return None, False
-        n = self._matched(keys, limit, self._pending)
+        n = self._matched(keys, limit, self._pending, num_computed_tokens)
         if n is None:
             return None, False
         handoff = handoff_of(request.kv_transfer_params, rid)
@@ -304,10 +315,10 @@ class SchedulerSide:
             rid, handoff, keys, n, limit, time.monotonic()
         ):
             return None, False
-        if n > 0 and not self._fenced(arrived):
+        hit = self._hit_end(n, request.num_tokens) - num_computed_tokens
+        if hit > 0 and not self._fenced(arrived):
             return None, False
         self.waits.settled(rid, n, limit)
-        hit = self._hit_end(n, request.num_tokens) - num_computed_tokens
         # A hybrid model's load is always announced asynchronous (when fast, it still runs
         # in start_load_kv and the request waits a step): vLLM takes a failed load of a
         # model of several KV-cache groups only per request (failed_recving), never as
@@ -331,9 +342,12 @@ class SchedulerSide:
             return False  # memory tiers only: a copy takes far less than a step
         return not all(k in self._fast for k in keys)
 
-    def _matched(self, keys: list[bytes], limit: int, pending: dict[bytes, Any]) -> int | None:
+    def _matched(
+        self, keys: list[bytes], limit: int, pending: dict[bytes, Any], local: int = 0
+    ) -> int | None:
+        """Leading chunks loadable; ``local``: tokens vLLM's own prefix cache holds."""
         if not self.layout.hybrid:
-            return matched_chunks(keys, limit, self.mirror, pending)
+            return matched_chunks(keys, limit, self.mirror, pending, local // self.chunk_tokens)
         return self.layout.matched(keys, limit, self.mirror, pending)
 
     def _waiting_for_workers(self) -> bool:
@@ -346,9 +360,12 @@ class SchedulerSide:
         return now - self._salt_wait_since < self.SALT_WAIT_S
 
     def _fenced(self, arrived: tuple[int, float]) -> bool:
-        """Whether the saves planned before the request arrived have all settled."""
+        """Whether the saves planned before the request arrived have all settled, or
+        cannot evict: every store has room for all of them."""
         step, since = arrived
         if not self._open_steps or min(self._open_steps) >= step:
+            return True
+        if isinstance(self.mirror, StoreMirror) and self.mirror.room() > len(self._pending):
             return True
         return time.monotonic() - since >= self.FENCE_WAIT_S
 
@@ -406,10 +423,10 @@ class SchedulerSide:
         # The chunks the load reads: the last one in part where the hit ends inside it
         # (a request ending at its boundary, _limit), as a whole chunk was stored.
         last = -(-end // self.chunk_tokens)
-        # Saving restarts after what is loaded now (or from the start: chunks that are
-        # only in vLLM's prefix cache, or whose save failed before a preemption, are
-        # offered again; chunks already stored are skipped when planned).
-        st.next_chunk = last if num_external_tokens > 0 else 0
+        # Saving restarts from the start: chunks that are only in vLLM's prefix cache
+        # (a load starts after them), or whose save failed before a preemption, are
+        # offered again; chunks already stored or loaded now are skipped when planned.
+        st.next_chunk = 0
         if num_external_tokens <= 0:
             return
         keys = self._keys(request)
@@ -542,7 +559,7 @@ class SchedulerSide:
         self._arrived.pop(rid, None)
         self.waits.forget(rid)
         params = self._handoff(st) if st is not None and self.role is Role.PRODUCER else None
-        return (st is not None and st.had_saves), params
+        return (st is not None and st.had_saves and self.hold_blocks), params
 
     def _handoff(self, st: _Req) -> dict[str, Any] | None:
         """A producer's answer for the consumer: the leading chunks stored or being saved."""

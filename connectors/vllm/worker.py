@@ -11,10 +11,13 @@ arena, ``HostTier.shm_path``, that other processes on the host can map) and move
   its load failed). Chunks the store no longer has, or that fail to read, are reported
   through ``get_block_ids_with_load_errors`` so vLLM recomputes them (for an
   asynchronous load, in the same step as its receive, or earlier);
-* saves never run on the engine step: ``wait_for_save`` only queues them. A save
+* saves never put on the engine step: ``wait_for_save`` only queues them. A save
   thread gathers the blocks (one ``index_select`` per layer into staging) and puts them
   into the store. A request whose saves are queued keeps its blocks (the scheduler side
-  returned True from ``request_finished``) until ``get_finished`` reports it.
+  returned True from ``request_finished``) until ``get_finished`` reports it. On a CPU
+  engine with an embedded store (``stage_saves``) the gather runs in ``wait_for_save``
+  instead: there it is a memcpy of what the step computed, far cheaper than keeping a
+  finished request's blocks from vLLM for another step, so no request is held;
 
 A hybrid model (several KV-cache groups, groups.py) gets one mover per group, over that
 group's layers; every load and save names its group. A sliding-window group's blocks can
@@ -68,6 +71,12 @@ from .settings import ChunkShape, DaemonSettings
 
 log = logging.getLogger(__name__)
 
+# Bytes of saves copied out of vLLM's blocks (``stage_saves``) and not yet put, beyond
+# which the engine thread waits for the save thread (at most STAGED_WAIT_S a step): a
+# slow store then slows the steps, as held blocks would, instead of growing the process.
+STAGED_LIMIT_BYTES = 1 << 30
+STAGED_WAIT_S = 10.0
+
 
 def rank_dirs(cfg: KVTierConfig, spec: KVSpec, pp_rank: int) -> KVTierConfig:
     """``cfg`` with each rank's nvme slabs in its own subdirectory, when there are ranks.
@@ -106,6 +115,8 @@ class WorkerSide:
         daemon: a running kvtier daemon to use instead of an embedded store (remote.py).
         group_layers: a hybrid model: the layer names of each KV-cache group, in vLLM's
             group order (empty: one group of every layer).
+        stage_saves: gather every save on the engine thread, so that no request keeps
+            its blocks for a save (the scheduler side then holds none: ``hold_blocks``).
     """
 
     def __init__(
@@ -116,8 +127,10 @@ class WorkerSide:
         shape: ChunkShape,
         daemon: DaemonSettings | None = None,
         group_layers: tuple[tuple[str, ...], ...] = (),
+        stage_saves: bool = False,
     ) -> None:
         self.cfg = cfg
+        self.stage_saves = stage_saves
         self.spec = spec
         self.pp_rank = pp_rank
         self.block_size = shape.block_size
@@ -148,6 +161,7 @@ class WorkerSide:
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-load")
         self._lock = threading.Condition()
         self._outstanding: dict[str, int] = defaultdict(int)  # req id -> queued save ops
+        self._staged_bytes = 0  # copied out on the engine thread, not yet put
         self._finished: set[str] = set()  # finished requests waiting for their saves
         self._stored: dict[bytes, int] = {}
         self._failed: dict[bytes, int] = {}
@@ -382,23 +396,31 @@ class WorkerSide:
         """Queue this step's saves; returns at once."""
         if not meta.saves:
             return
+        held = not self.stage_saves  # vLLM keeps the request's blocks for its saves
         if not self.saves:
             # TP rank 0 stores the MLA latent; this rank only reports the requests done
             # (vLLM frees a request's blocks once every rank has).
-            with self._lock:
-                for op in meta.saves:
-                    self._outstanding[op.req_id] += 0
+            if held:
+                with self._lock:
+                    for op in meta.saves:
+                        self._outstanding[op.req_id] += 0
             return
         assert self.mover is not None
         token = self.mover.mark()
         with self._lock:
-            for op in meta.saves:
-                self._outstanding[op.req_id] += 1
+            if held:
+                for op in meta.saves:
+                    self._outstanding[op.req_id] += 1
+            self._lock.wait_for(
+                lambda: self._staged_bytes <= STAGED_LIMIT_BYTES, timeout=STAGED_WAIT_S
+            )
         for op in meta.saves:
             staged = None
-            if self.layout.groups[op.group].sliding:
+            if self.stage_saves or self.layout.groups[op.group].sliding:
                 # vLLM may free these blocks at the next step: copy them out now.
                 staged = self.movers[op.group].gather(op.block_ids, token)
+                with self._lock:
+                    self._staged_bytes += staged.nbytes
             self._saver.submit(self._save, op, token, staged)
 
     def _save(self, op: SaveOp, token: object | None, staged: torch.Tensor | None = None) -> None:
@@ -436,7 +458,10 @@ class WorkerSide:
                     self._stored[k] = 1
                 else:
                     self._failed[k] = 1
-            self._outstanding[op.req_id] -= 1
+            if not self.stage_saves:
+                self._outstanding[op.req_id] -= 1
+            if staged is not None:
+                self._staged_bytes -= staged.nbytes
             self.stats.add("save_chunks", len(ok))
             if op.group == self.layout.token_group:  # a hybrid model's tokens count once
                 self.stats.add("save_tokens", len(ok) * self.chunk_tokens)

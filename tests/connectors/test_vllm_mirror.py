@@ -138,3 +138,40 @@ def test_each_rank_opens_its_own_nvme_directory(tmp_path) -> None:
     finally:
         for b in stores:
             b.store.close()
+
+
+def test_room_counts_the_chunks_the_stores_can_take_before_a_put_evicts() -> None:
+    """The save fence is skipped while every store has room for the saves in flight."""
+    import numpy as np
+
+    from kvtier.connectors.vllm.mirror import IndexFeed
+    from kvtier.connectors.vllm.settings import config_from_extra
+    from kvtier.factory import build_store
+
+    chunk = 65536
+    cfg = config_from_extra(
+        {"store.chunk_tokens": 64, "tiers": [{"kind": "host", "capacity_bytes": "512KiB"}]},
+        env={},
+    )
+    store = build_store(cfg, spec=KVSpec(2, 4, 64), chunk_bytes=chunk).store
+    try:
+        feed = IndexFeed(store)
+        (s0,) = _rank_salts(1)
+        m = StoreMirror(world_size=1)
+        assert m.room() == 0  # nothing known before the snapshot
+        up = feed.take()
+        assert up is not None
+        m.apply({s0: up})
+        assert m.room() == 8  # 512 KiB of 64 KiB chunks
+        keys = _keys(3)
+        data = np.random.default_rng(0).integers(0, 255, 3 * chunk, dtype=np.uint8)
+        store.put(keys, data).result()
+        more = feed.take()
+        assert more is not None
+        m.apply({s0: more})
+        assert m.room() == 5
+        store.put(_keys(8), np.tile(data, 3)[: 8 * chunk]).result()  # fills it, evicts
+        m.apply({s0: feed.take()})
+        assert m.room() == 0
+    finally:
+        store.close()

@@ -75,6 +75,11 @@ def test_lookup_counts_leading_chunks_and_waits_for_saves_in_flight() -> None:
     assert matched_chunks(keys, 5, mirror, {keys[3]: [0, 0]}) is None
     mirror.discard(keys[0])
     assert matched_chunks(keys, 5, mirror, {}) == 0
+    # Chunks vLLM's own prefix cache holds need not be stored: a load starts after them.
+    assert matched_chunks(keys, 5, mirror, {}, local_chunks=1) == 3
+    # A save in flight of a chunk vLLM holds is no reason to wait.
+    assert matched_chunks(keys, 5, mirror, {keys[0]: [0, 0]}, local_chunks=1) == 3
+    assert matched_chunks(keys, 1, mirror, {}, local_chunks=4) == 1  # capped
 
 
 def test_a_hit_stops_one_block_short_of_the_last_token() -> None:
