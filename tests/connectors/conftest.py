@@ -124,8 +124,15 @@ def engine(tiny_model: str) -> Iterator[Engine]:
 @contextlib.contextmanager
 def in_process_engine(model: str, transfer: dict[str, Any], **overrides: Any) -> Iterator[Engine]:
     """:func:`tiny_llm` in this process (ENV set while it lives), shut down at the end."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
     saved = {k: os.environ.get(k) for k in ENV}
     os.environ.update(ENV)
+    # vLLM keeps one worker-side connector per process and a new engine reuses the one it
+    # finds: an engine started while another lives here (the session's) gets its own, and
+    # the outer engine gets its own back at the end.
+    outer = kv_transfer_state._KV_CONNECTOR_AGENT
+    kv_transfer_state._KV_CONNECTOR_AGENT = None
     llm = tiny_llm(model, transfer, **overrides)
     try:
         yield Engine(llm)
@@ -134,6 +141,7 @@ def in_process_engine(model: str, transfer: dict[str, Any], **overrides: Any) ->
         if shutdown is not None:
             shutdown()
         del llm
+        kv_transfer_state._KV_CONNECTOR_AGENT = outer
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
