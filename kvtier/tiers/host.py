@@ -221,35 +221,32 @@ class HostTier(ViewableTier):
         base = run.offset * self.slot_bytes
         return self.arena.array[base : base + run.nbytes].data
 
+    def _copy_natively(self, run: SlotRun, buf: memoryview, into_arena: bool) -> bool:
+        """Copy ``run`` in one native call, where the core is built; False to go the Python
+        way (a large copy split over threads, copy_threads > 1, is Python's)."""
+        if not self._native_copy or (self.copy_threads > 1 and run.nbytes >= PARALLEL_COPY_BYTES):
+            return False
+        _copy_slots(
+            self.arena.array,
+            self.slot_bytes,
+            run.offset,
+            len(run.keys),
+            run.value_bytes,
+            buf,
+            into_arena,
+        )
+        return True
+
     @override
     def write(self, run: SlotRun, src: memoryview) -> None:
-        # A copy split over threads (copy_threads > 1, large) goes the Python way.
-        if self._native_copy and (self.copy_threads <= 1 or run.nbytes < PARALLEL_COPY_BYTES):
-            _copy_slots(
-                self.arena.array,
-                self.slot_bytes,
-                run.offset,
-                len(run.keys),
-                run.value_bytes,
-                src,
-                True,
-            )
+        if self._copy_natively(run, src, True):
             self.note_written(run.nbytes)
         else:
             super().write(run, src)
 
     @override
     def read(self, run: SlotRun, dst: memoryview) -> None:
-        if self._native_copy and (self.copy_threads <= 1 or run.nbytes < PARALLEL_COPY_BYTES):
-            _copy_slots(
-                self.arena.array,
-                self.slot_bytes,
-                run.offset,
-                len(run.keys),
-                run.value_bytes,
-                dst,
-                False,
-            )
+        if self._copy_natively(run, dst, False):
             self.count_read(run.nbytes)
         else:
             super().read(run, dst)
