@@ -10,8 +10,8 @@ as 0.32 spells them and ask this module for the rest:
   and 0.26's base class never reads the attribute.
 * On CUDA, vLLM (0.26 at least, both GPU model runners) does not recompute a request
   whose *synchronous* load failed correctly: the V2 runner restarts it from a stale
-  offset (wrong output, and wrong KV saved from it; vllm-project/vllm#49250), the V1
-  runner indexes out of bounds. A failed asynchronous load is recovered before the
+  offset (wrong output, and KV saved from it that cannot be trusted;
+  vllm-project/vllm#49250), the V1 runner indexes out of bounds. A failed asynchronous load is recovered before the
   request reaches the runner. :func:`sync_load_failures_recover` says which engines
   may load synchronously.
 * ``CachedRequestData.resumed_req_ids`` (requests resumed after a preemption, whose
