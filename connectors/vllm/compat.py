@@ -11,9 +11,9 @@ as 0.32 spells them and ask this module for the rest:
 * On CUDA, vLLM (0.26 at least, both GPU model runners) does not recompute a request
   whose *synchronous* load failed correctly: the V2 runner restarts it from a stale
   offset (wrong output, and KV saved from it that cannot be trusted;
-  vllm-project/vllm#49250), the V1 runner indexes out of bounds. A failed asynchronous load is recovered before the
-  request reaches the runner. :func:`sync_load_failures_recover` says which engines
-  may load synchronously.
+  vllm-project/vllm#49250), the V1 runner indexes out of bounds. A failed asynchronous
+  load is recovered before the request reaches the runner.
+  :func:`sync_load_failures_recover` says which engines may load synchronously.
 * ``CachedRequestData.resumed_req_ids`` (requests resumed after a preemption, whose
   block ids replace rather than extend) exists in 0.26 to 0.33; 0.34 dropped it and sends
   a resumed request as a new one. :func:`resumed_req_ids` answers an empty set there.
