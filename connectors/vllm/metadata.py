@@ -31,7 +31,8 @@ class LoadOp:
         req_id: vLLM's internal request id.
         keys: logical keys of the chunks, in prompt order (a hybrid model: the keys of
             one group's entries, groups.py).
-        block_ids: the blocks of those chunks (``entry_blocks`` per key), in order;
+        block_ids: the blocks of those chunks (a group's ``tail_blocks`` per key: every
+            entry is read whole), in order;
             ``groups.NULL`` where nothing is written. The last key's may be fewer: its
             leading blocks only, where the request's tokens end inside its chunk (a
             chunk's KV is valid KV of any prefix of it).
@@ -42,8 +43,6 @@ class LoadOp:
         asynchronous: the load runs off the engine step (a slow tier): the request waits
             in vLLM's WAITING_FOR_REMOTE_KVS until the worker reports it in
             ``finished_recving``; otherwise it completes before this step's forward.
-        entry_blocks: blocks of one stored entry (``blocks_per_chunk``, or the group's
-            ``tail_blocks``): every entry is read whole.
     """
 
     req_id: str
@@ -52,7 +51,6 @@ class LoadOp:
     skip_blocks: int
     group: int = 0
     asynchronous: bool = False
-    entry_blocks: int = field(kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)

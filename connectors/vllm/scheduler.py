@@ -442,7 +442,6 @@ class SchedulerSide:
                     tuple(block_ids[0][first * bpc : end // self.block_size]),
                     local // self.block_size - first * bpc,
                     asynchronous=slow,
-                    entry_blocks=bpc,
                 )
             )
             self.mirror.touch(keys[first:last])
@@ -457,7 +456,6 @@ class SchedulerSide:
                         0,
                         group,
                         asynchronous=slow,
-                        entry_blocks=self.layout.groups[group].tail_blocks,
                     )
                 )
                 self.mirror.touch(gkeys)

@@ -284,7 +284,7 @@ class WorkerSide:
         assert store is not None or self.broadcast
         t0 = time.perf_counter()
         n = len(op.keys)
-        bpc = op.entry_blocks  # blocks per entry: a group may store a tail
+        bpc = self.layout.groups[op.group].tail_blocks  # blocks per stored entry
         # Entries are read whole; the last one's blocks past len(op.block_ids) are not
         # written (the request ends inside its chunk: vLLM computes those tokens).
         end = len(op.block_ids)
