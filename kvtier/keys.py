@@ -136,9 +136,18 @@ class ChunkHasher:
             if i == 0 and extra:
                 h.update(extra)
             h.update(buf[i * step : (i + 1) * step])
-            prev = ChunkKey(tag + h.digest()[len(tag) :] if tag else h.digest())
+            prev = tag_key(h.digest(), tag) if tag else ChunkKey(h.digest())
             out.append(prev)
         return out
+
+
+TAG_BYTES = 4
+"""Leading bytes of a key that carry its tenant's tag (with ``[tenants]``)."""
+
+
+def tag_key(key: bytes, tag: bytes) -> ChunkKey:
+    """``key`` with its first bytes replaced by a tenant's ``tag``."""
+    return ChunkKey(tag + key[len(tag) :])
 
 
 def check_keys(keys: Iterable[object]) -> list[ChunkKey]:

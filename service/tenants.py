@@ -26,8 +26,8 @@ from pathlib import Path
 
 from kvtier.errors import ConfigError
 from kvtier.files import make_private_dirs
-from kvtier.keys import ChunkKey
-from kvtier.store.quota import tag_key, tenant_tag
+from kvtier.keys import ChunkKey, tag_key
+from kvtier.store.quota import tenant_tag
 
 log = logging.getLogger(__name__)
 

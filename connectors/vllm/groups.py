@@ -25,9 +25,9 @@ from typing import Any
 
 import xxhash
 
+from kvtier.keys import TAG_BYTES, tag_key
 from kvtier.spec import KVSpec, LayerKind
 
-from .keys import keep_tag
 from .settings import ChunkShape
 
 NULL = -1
@@ -90,7 +90,7 @@ class GroupLayout:
         if group == 0:
             return logical
         key = xxhash.xxh3_128_digest(logical + b"\0kvtier/group\0" + str(group).encode())
-        return keep_tag(logical, key) if self.tenants else key
+        return tag_key(key, logical[:TAG_BYTES]) if self.tenants else key
 
     def keys_of(self, logical: bytes) -> list[bytes]:
         return [self.key(logical, g.index) for g in self.groups]

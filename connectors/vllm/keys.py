@@ -26,9 +26,9 @@ from dataclasses import dataclass, replace
 
 import xxhash
 
-from kvtier.keys import ChunkHasher, ChunkKey, Namespace
+from kvtier.keys import TAG_BYTES, ChunkHasher, ChunkKey, Namespace, tag_key
 from kvtier.spec import KVSpec
-from kvtier.store.quota import TAG_BYTES, tenant_tag
+from kvtier.store.quota import tenant_tag
 
 _TENANTS = b"tenants\0"
 """The end of a rank salt whose rank keys keep their logical key's tenant tag."""
@@ -96,10 +96,5 @@ def rank_salt(spec: KVSpec, pp_rank: int, layout: str, *, tenants: bool = False)
 def rank_keys(salt: bytes, logical: Sequence[bytes]) -> list[ChunkKey]:
     """Rank keys of logical keys (deterministic, 16 bytes each)."""
     if salt.endswith(_TENANTS):
-        return [keep_tag(k, xxhash.xxh3_128_digest(salt + k)) for k in logical]
+        return [tag_key(xxhash.xxh3_128_digest(salt + k), k[:TAG_BYTES]) for k in logical]
     return [ChunkKey(xxhash.xxh3_128_digest(salt + k)) for k in logical]
-
-
-def keep_tag(logical: bytes, derived: bytes) -> ChunkKey:
-    """``derived`` with the tenant tag of the ``logical`` key it derives from."""
-    return ChunkKey(logical[:TAG_BYTES] + derived[TAG_BYTES:])

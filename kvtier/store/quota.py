@@ -25,11 +25,9 @@ from typing import Protocol
 
 from typing_extensions import override
 
-from kvtier.keys import ChunkKey
+from kvtier.keys import TAG_BYTES, ChunkKey
 from kvtier.store.policy import EvictionFactory, EvictionPolicy
 from kvtier.tiers.base import Tier
-
-TAG_BYTES = 4
 
 OTHER = "(other)"
 """The figures' label of every tenant the configuration does not name (a tenant name
@@ -42,11 +40,6 @@ connector request without a cache salt)."""
 def tenant_tag(name: str) -> bytes:
     """The tag of tenant ``name`` (``""``: the anonymous tenant) in its chunk keys."""
     return hashlib.blake2b(b"kvtier/tenant\0" + name.encode(), digest_size=TAG_BYTES).digest()
-
-
-def tag_key(key: bytes, tag: bytes) -> ChunkKey:
-    """``key`` with its first bytes replaced by a tenant's ``tag``."""
-    return ChunkKey(tag + key[TAG_BYTES:])
 
 
 def tag_of(key: bytes) -> int:

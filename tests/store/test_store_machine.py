@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvtier.config import Switch
-from kvtier.keys import ChunkKey
+from kvtier.keys import ChunkKey, tag_key
 from kvtier.store import TieredStore
-from kvtier.store.quota import Quotas, tag_key, tenant_tag
+from kvtier.store.quota import Quotas, tenant_tag
 from kvtier.tiers.base import TierGeometry
 from kvtier.tiers.cxl import CXLTier
 from kvtier.tiers.cxl import Options as CXLOptions

@@ -14,7 +14,8 @@ pytest.importorskip("cryptography", reason="encryption needs: pip install 'kvtie
 
 from kvtier.crypto import OVERHEAD, Cipher, load_master_key
 from kvtier.errors import ConfigError, CorruptChunkError
-from kvtier.store.quota import tag_key, tenant_tag
+from kvtier.keys import tag_key
+from kvtier.store.quota import tenant_tag
 
 from .conftest import SLOT, VALUE, get_all, key, value, values
 

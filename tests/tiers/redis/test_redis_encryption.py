@@ -14,7 +14,8 @@ pytest.importorskip("redis", reason="the redis tier needs redis-py: pip install 
 
 from kvtier.crypto import OVERHEAD, load_master_key
 from kvtier.errors import CorruptChunkError, TierIOError
-from kvtier.store.quota import tag_key, tenant_tag
+from kvtier.keys import tag_key
+from kvtier.store.quota import tenant_tag
 from kvtier.tiers.base import SlotRun
 from kvtier.tiers.redis import wire
 from tests.redis_servers import RedisServer
