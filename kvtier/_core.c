@@ -170,6 +170,12 @@ static int buddy_init(Buddy *b, PyObject *args, PyObject *kwds) {
     b->next = malloc((size_t)cap * sizeof(int32_t));
     b->prev = malloc((size_t)cap * sizeof(int32_t));
     if (!b->alloc_ord || !b->free_ord || !b->next || !b->prev) {
+        free(b->alloc_ord);
+        free(b->free_ord);
+        free(b->next);
+        free(b->prev);
+        b->alloc_ord = b->free_ord = NULL;
+        b->next = b->prev = NULL;
         PyErr_NoMemory();
         return -1;
     }

@@ -169,7 +169,12 @@ static PyObject *reference(PyObject *self, const char *name, PyObject *const *ar
     PyObject *stack[8];
     stack[0] = self;
     Py_ssize_t total = nargs + (kwnames ? PyTuple_GET_SIZE(kwnames) : 0);
-    for (Py_ssize_t i = 0; i < total && i < 7; i++) stack[i + 1] = args[i];
+    if (total > 7) { /* no verb of the reference takes as many */
+        Py_DECREF(fn);
+        PyErr_Format(PyExc_TypeError, "%s() takes at most 7 arguments", name);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < total; i++) stack[i + 1] = args[i];
     PyObject *out = PyObject_Vectorcall(fn, stack, nargs + 1, kwnames);
     Py_DECREF(fn);
     return out;
@@ -500,7 +505,8 @@ end0:
 /* complete_load(slots, served, nbytes, *, promote) */
 static PyObject *v_complete_load(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                  PyObject *kwnames) {
-    if (nargs != 3 || kwnames == NULL || PyTuple_GET_SIZE(kwnames) != 1)
+    if (nargs != 3 || kwnames == NULL || PyTuple_GET_SIZE(kwnames) != 1 ||
+        PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "promote") != 0)
         return reference(self, "complete_load", args, nargs, kwnames);
     DELEGATE_UNLESS_PLAIN("complete_load");
     int promote = PyObject_IsTrue(args[3]);
@@ -509,9 +515,10 @@ static PyObject *v_complete_load(PyObject *self, PyObject *const *args, Py_ssize
     if (served == -1 && PyErr_Occurred()) return NULL;
     Py_ssize_t nbytes = PyNumber_AsSsize_t(args[2], PyExc_OverflowError);
     if (nbytes == -1 && PyErr_Occurred()) return NULL;
-    PyObject *slots = PySequence_Fast(args[0], "slots must be a sequence");
+    /* A tuple of our own: the hooks below run Python code, which may change a list. */
+    PyObject *slots = PySequence_Tuple(args[0]);
     if (slots == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(slots);
+    Py_ssize_t n = PyTuple_GET_SIZE(slots);
     PyObject **items = PySequence_Fast_ITEMS(slots);
     if (served > n) served = n;
     if (served < 0) served = 0;
