@@ -121,8 +121,17 @@ def _connection(pool: Any) -> Any:
     return pool.get_connection("GET") if needs else pool.get_connection()
 
 
+def _skip(replies: _Replies, nbytes: int) -> None:
+    """Read ``nbytes`` of ``replies`` into a small scratch buffer, and drop them."""
+    scratch = memoryview(bytearray(min(nbytes, 1 << 16)))
+    while nbytes:
+        k = min(nbytes, scratch.nbytes)
+        replies.into(scratch[:k])
+        nbytes -= k
+
+
 def get_values(
-    pool: Any, names: Sequence[bytes], px: int | None
+    pool: Any, names: Sequence[bytes], px: int | None, max_bytes: int
 ) -> Generator[memoryview | Exception | None, None, None]:
     """Send one pipeline of ``GET`` (``GETEX .. PX px`` with a TTL) of ``names`` on a
     connection of ``pool``, and yield each reply in order: the value (a view of this
@@ -130,6 +139,9 @@ def get_values(
     server's error as a redis-py exception.
 
     Closing the iterator before its end disconnects the connection (replies remain).
+    A value longer than ``max_bytes`` is read off the socket in small pieces, never
+    buffered, and yielded empty: the tier finds it corrupt (a length damaged beyond what
+    the server sends times the read out: the node failed).
 
     Raises:
         OSError: the socket failed or timed out, or a reply was not RESP.
@@ -157,6 +169,10 @@ def get_values(
                     raise ProtocolFault(f"bad bulk length {line[:40]!r}") from None
                 if n < 0:
                     yield None
+                    continue
+                if n > max_bytes:
+                    _skip(replies, n + 2)
+                    yield memoryview(b"")
                     continue
                 view = _staging(n + 2)[: n + 2]
                 replies.into(view)

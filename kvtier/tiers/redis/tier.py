@@ -57,6 +57,11 @@ from kvtier.tiers.redis.options import Options
 log = logging.getLogger(__name__)
 
 
+# How much longer than a chunk a GET reply may be and still be read (a header, a seal,
+# and room to spare): a longer one is a damaged reply, dropped with its connection.
+MAX_REPLY_SLACK = 1 << 20
+
+
 class _R(enum.Enum):
     """Outcome of one item of a batch."""
 
@@ -273,7 +278,9 @@ class RedisTier(SharedTier):
                         for i, v in zip(batch, values, strict=True)
                     ]
             out: list[_R] = []
-            replies = reader.get_values(client.connection_pool, [names[i] for i in batch], px)
+            replies = reader.get_values(
+                client.connection_pool, [names[i] for i in batch], px, MAX_REPLY_SLACK + vb
+            )
             try:
                 for i, v in zip(batch, replies, strict=True):
                     # Verified and copied from this thread's buffer into dst, which is

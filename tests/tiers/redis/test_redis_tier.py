@@ -146,6 +146,22 @@ def test_flipped_payload_byte_is_corrupt_and_deleted(make, redis_server: RedisSe
     assert r.exists(tier.redis_key(key(1))) == 1  # the good neighbours stay
 
 
+def test_a_value_far_longer_than_a_chunk_is_corrupt_and_deleted(
+    make, redis_server: RedisServer
+) -> None:
+    # More than a chunk and the reader's slack: read off the socket, never buffered whole.
+    tier = make()
+    runs, _ = put(tier, [key(1), key(2)])
+    r = redis_server.client()
+    name = tier.redis_key(key(2))
+    r.set(name, r.get(name) + bytes(3 << 20))
+    with pytest.raises(CorruptChunkError):
+        read(tier, runs)
+    assert r.exists(name) == 0
+    again, _ = put(tier, [key(2)], seed=1)  # the connection still serves: heal and read
+    assert read(tier, again).tobytes() == rand(SLOT, 1).tobytes()
+
+
 def test_garbage_header_is_absent_and_deleted(make, redis_server: RedisServer) -> None:
     tier = make()
     r = redis_server.client()
