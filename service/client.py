@@ -142,6 +142,12 @@ class _Base(ABC, Generic[TransportT]):
     ) -> None:
         if batch_keys < 1:
             raise InputError(f"batch_keys must be >= 1, got {batch_keys}")
+        try:
+            scheme = httpx.URL(url).scheme
+        except httpx.InvalidURL as exc:
+            raise ConfigError("url", url, f"an http:// or https:// URL ({exc})") from None
+        if scheme not in ("http", "https"):
+            raise ConfigError("url", url, "an http:// or https:// URL")
         self.url = url.rstrip("/")
         self.retry = retry or RetryPolicy()
         self.batch_keys = batch_keys

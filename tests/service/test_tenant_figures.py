@@ -222,3 +222,15 @@ def test_the_tenants_command_refuses_a_bad_token_and_says_when_there_are_no_figu
     out = _cli(daemon)  # a daemon without [tenants]
     assert out.returncode == 1
     assert "[tenants]" in out.stderr
+
+
+def test_the_tenants_command_says_a_malformed_url_in_one_line() -> None:
+    out = subprocess.run(
+        [*kvtier_cmd(), "tenants", "--url", "http://[::1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert "an http:// or https:// URL" in out.stderr
