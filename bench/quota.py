@@ -26,12 +26,11 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.common import envelope, missing, write_json
+from kvtier.bench.common import envelope, missing, scratch_dir, write_json
 
 MiB = 1 << 20
 TOKENS = {"alice": "alice-bench-token-0123", "bob": "bob-bench-token-012345"}
@@ -64,7 +63,7 @@ def main(argv: list[str]) -> int:
     value = args.value_kib * 1024
     quota = args.quota_mib * MiB
     per_q = quota // value
-    tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-quota-"))
+    tmp = scratch_dir("kvtier-bench-quota-")  # both daemons' data: removed at exit
     tokens = tuple(f"service.tokens.{t}={tok}" for t, tok in TOKENS.items())
     daemons: dict[str, Any] = {}
     try:
