@@ -82,7 +82,7 @@ class Geometry:
         return shapes == [want] or torch.Size(obj.meta.shape) == want
 
 
-def describe(obj: MemoryObj, data: memoryview, geometry: Geometry) -> bytes | None:
+def describe(obj: MemoryObj, data: memoryview, geometry: Geometry) -> bytearray | None:
     """``data`` (``obj``'s bytes) with its header and padding; None when the layout
     cannot be written down (an object without dtypes, more than 255 dimensions)."""
     try:
@@ -107,7 +107,7 @@ def describe(obj: MemoryObj, data: memoryview, geometry: Geometry) -> bytes | No
     _HEAD.pack_into(out, 0, MAGIC, head, data.nbytes, fmt, len(shapes))
     out[_HEAD.size : head] = groups
     out[head:length] = data
-    return bytes(out)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
