@@ -48,6 +48,7 @@ from .metadata import KVTierConnectorStats, KVTierMetadata, KVTierWorkerMeta
 from .remote import DaemonLookup, RemoteStore
 from .scheduler import SchedulerSide
 from .settings import (
+    AsyncLoads,
     ChunkShape,
     async_loads_from_extra,
     config_from_extra,
@@ -254,7 +255,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         # A CPU engine's workers copy a save out of vLLM's blocks during the step (a
         # memcpy), so a finished request's blocks go back to vLLM at once; a daemon on
         # the same host takes the copy straight into its memory on the save thread.
-        stage_saves = self.daemon is None and _device_type(vllm_config) == "cpu"
+        device = _device_type(vllm_config)
+        stage_saves = self.daemon is None and device == "cpu"
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -279,6 +281,15 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             if self.daemon is not None:
                 chunk_bytes = per_rank.chunk_bytes(self.cfg.store.chunk_tokens)
                 remote = DaemonLookup(RemoteStore(self.daemon, chunk_bytes), stores)
+            async_loads = async_loads_from_extra(extra)
+            sync_recovers = compat.sync_load_failures_recover(device)
+            if async_loads is AsyncLoads.OFF and not sync_recovers:
+                log.warning(
+                    "kvtier: async_loads = 'off' on %s: vLLM recomputes a request whose "
+                    "synchronous load failed from a stale offset here (wrong output; "
+                    "docs/connector.md, 'Asynchronous loads')",
+                    device,
+                )
             self._sched = SchedulerSide(
                 scheme,
                 shape,
@@ -290,10 +301,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 role=self.kv_role,
                 prefill_wait_s=prefill_wait_s,
                 can_load=refusal is None,
-                async_loads=async_loads_from_extra(extra),
-                sync_failures_recover=compat.sync_load_failures_recover(
-                    str(vllm_config.device_config.device_type)
-                ),
+                async_loads=async_loads,
+                sync_failures_recover=sync_recovers,
                 hold_blocks=not stage_saves,
             )
             log.info(
