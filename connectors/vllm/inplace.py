@@ -14,13 +14,22 @@ Used only where every chunk of a load is in a memory tier (on CUDA, a pinned one
 anything else (a chunk in nvme, a daemon, a CUDA engine over an arena that is not
 pinned) takes the staged path, as does a load that fails here. ``KVTIER_LOAD_IN_PLACE=0``
 turns it off (the benchmark's A/B of the two paths).
+
+:func:`start_in_place` is the asynchronous form, for a mover whose copies are
+themselves asynchronous (the CUDA transfer engine): the engine thread enqueues every
+chunk's DMA and goes on; :class:`InPlaceLoad` keeps the chunks held until the device
+reports the copies done. A load thread would do no better there: each of its copies
+waits on the device and then for the GIL, which vLLM's engine loop holds while the
+request waits (about 7 ms a chunk on the H100 host, against 1 ms on the engine thread;
+docs/benchmarks.md, "On a CUDA engine").
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +37,7 @@ from kvtier.errors import KVTierError
 from kvtier.keys import ChunkKey
 from kvtier.store.handles import HeldValue
 from kvtier.store.store import TieredStore
+from kvtier.transfer import TransferHandle
 
 from .mover import BlockMover
 
@@ -40,6 +50,59 @@ def enabled() -> bool:
     return os.environ.get("KVTIER_LOAD_IN_PLACE", "1").lower() not in ("0", "off", "false")
 
 
+def _hold(
+    store: object, mover: BlockMover, keys: Sequence[ChunkKey], chunk_bytes: int
+) -> list[HeldValue] | None:
+    """Every chunk of ``keys`` held in a memory tier, or None (and nothing held)."""
+    if not isinstance(store, TieredStore) or not enabled():
+        return None
+    held: list[HeldValue] = []
+    try:
+        for key in keys:
+            h = store.hold_value(key, max_bytes=chunk_bytes)
+            if h is None or h.view.nbytes != chunk_bytes:
+                if h is not None:
+                    h.release()
+                break  # absent, behind I/O, or not this geometry: staged path
+            held.append(h)
+        else:
+            if mover.device.type != "cuda" or all(
+                torch.frombuffer(h.view, dtype=torch.uint8).is_pinned() for h in held
+            ):
+                return held
+            # An arena that is not page-locked: DMA would bounce anyway.
+    except (KVTierError, RuntimeError) as exc:
+        log.warning("kvtier in-place load failed, loading through staging: %s", exc)
+    for h in held:
+        h.release()
+    return None
+
+
+def _runs(
+    mover: BlockMover,
+    held: Sequence[HeldValue],
+    block_ids: Sequence[int],
+    skip_blocks: int,
+    blocks_per_chunk: int,
+) -> Iterator[tuple[torch.Tensor, Sequence[int]]]:
+    """(rows of one chunk, their blocks) for each chunk with blocks to write."""
+    shape = (blocks_per_chunk, mover.num_layers, mover.page_bytes)
+    for i, h in enumerate(held):
+        first = i * blocks_per_chunk
+        last = min(first + blocks_per_chunk, len(block_ids))
+        lo = max(first, skip_blocks)
+        if lo < last:
+            row = torch.frombuffer(h.view, dtype=torch.uint8).view(shape)
+            yield row[lo - first : last - first], block_ids[lo:last]
+
+
+def _announce() -> None:
+    global _announced
+    if not _announced:
+        _announced = True
+        log.info("kvtier: loads read the host tier in place (no staging copy)")
+
+
 def load_in_place(
     store: object,
     mover: BlockMover,
@@ -50,7 +113,7 @@ def load_in_place(
 ) -> bool:
     """Scatter every chunk of ``keys`` from a memory tier into ``block_ids``.
 
-    Called on the engine thread, before the forward; blocks until the blocks are written.
+    Blocks until the blocks are written.
 
     Args:
         store: the worker's store (only a :class:`TieredStore` qualifies).
@@ -65,37 +128,82 @@ def load_in_place(
         True when all of them were written; False when nothing qualified or a step
         failed (the caller then runs its staged load, which writes every block again).
     """
-    global _announced
-    if not isinstance(store, TieredStore) or not enabled():
+    held = _hold(store, mover, keys, blocks_per_chunk * mover.block_bytes)
+    if held is None:
         return False
-    chunk_bytes = blocks_per_chunk * mover.block_bytes
-    held: list[HeldValue] = []
     try:
-        for key in keys:
-            h = store.hold_value(key, max_bytes=chunk_bytes)
-            if h is None or h.view.nbytes != chunk_bytes:
-                if h is not None:
-                    h.release()
-                return False  # absent, behind I/O, or not this geometry: staged path
-            held.append(h)
-        rows = [torch.frombuffer(h.view, dtype=torch.uint8) for h in held]
-        if mover.device.type == "cuda" and not all(r.is_pinned() for r in rows):
-            return False  # an arena that is not page-locked: DMA would bounce anyway
-        shape = (blocks_per_chunk, mover.num_layers, mover.page_bytes)
-        for i, row in enumerate(rows):
-            first = i * blocks_per_chunk
-            last = min(first + blocks_per_chunk, len(block_ids))
-            lo = max(first, skip_blocks)
-            if lo >= last:
-                continue
-            mover.scatter(row.view(shape)[lo - first : last - first], block_ids[lo:last])
+        for rows, ids in _runs(mover, held, block_ids, skip_blocks, blocks_per_chunk):
+            mover.scatter(rows, ids)
     except (KVTierError, RuntimeError) as exc:
         log.warning("kvtier in-place load failed, loading through staging: %s", exc)
         return False
     finally:
         for h in held:
             h.release()
-    if not _announced:
-        _announced = True
-        log.info("kvtier: loads read the host tier in place (no staging copy)")
+    _announce()
     return True
+
+
+@dataclass(eq=False)
+class InPlaceLoad:
+    """A load :func:`start_in_place` enqueued: its chunks stay held until it is done."""
+
+    held: list[HeldValue]
+    handles: list[TransferHandle]
+
+    def done(self) -> bool:
+        """Whether the blocks hold every chunk's rows; the chunks are released once true.
+
+        Never blocks. Called on the thread that started the load.
+        """
+        if not all(h.done() for h in self.handles):
+            return False
+        self._release()
+        return True
+
+    def finish(self) -> None:
+        """Wait for the copies, then release the chunks (shutdown, or a failed start)."""
+        try:
+            for h in self.handles:
+                h.wait()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        held, self.held, self.handles = self.held, [], []
+        for h in held:
+            h.release()
+
+
+def start_in_place(
+    store: object,
+    mover: BlockMover,
+    keys: Sequence[ChunkKey],
+    block_ids: Sequence[int],
+    skip_blocks: int,
+    blocks_per_chunk: int,
+) -> InPlaceLoad | None:
+    """:func:`load_in_place`, enqueued on the mover's device and not waited for.
+
+    Same arguments. Returns the load in flight, or None when nothing qualified (the
+    mover copies only synchronously, a chunk is not held in a pinned memory tier) or
+    enqueueing failed; then nothing is held or in flight, and the caller loads through
+    staging.
+    """
+    if not mover.enqueues:
+        return None
+    held = _hold(store, mover, keys, blocks_per_chunk * mover.block_bytes)
+    if held is None:
+        return None
+    load = InPlaceLoad(held, [])
+    try:
+        for rows, ids in _runs(mover, held, block_ids, skip_blocks, blocks_per_chunk):
+            handle = mover.start_scatter(rows, ids)
+            assert handle is not None  # mover.enqueues
+            load.handles.append(handle)
+    except (KVTierError, RuntimeError) as exc:
+        log.warning("kvtier in-place load failed, loading through staging: %s", exc)
+        load.finish()
+        return None
+    _announce()
+    return load

@@ -141,6 +141,7 @@ STAT_KEYS = (
     "load_s",
     "load_failed_blocks",  # blocks reported through get_block_ids_with_load_errors
     "load_async",  # loads run off the engine step (their request waited, the batch went on)
+    "load_enqueued",  # of those, copied by the device straight from a pinned memory tier
     "load_sync_slow_chunks",  # chunks a synchronous load read from below the memory tiers
     "save_chunks",
     "save_tokens",

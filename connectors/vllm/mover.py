@@ -34,7 +34,7 @@ import torch
 from typing_extensions import override
 
 from kvtier.errors import InputError, SpecError
-from kvtier.transfer import HostOrder, PagedKV, TransferEngine, TransferOptions
+from kvtier.transfer import HostOrder, PagedKV, TransferEngine, TransferHandle, TransferOptions
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +106,15 @@ class BlockMover(ABC):
         num_layers: layers (tensors) moved per block.
         page_bytes: bytes of one block of one layer.
         layout: the byte order inside a page (:func:`layout_tag`), part of the rank keys.
+        enqueues: whether :meth:`start_scatter` enqueues (a device with its own copy
+            engines) rather than answering None.
     """
 
     device: torch.device
     num_layers: int
     page_bytes: int
     layout: str
+    enqueues: bool = False
 
     @property
     def block_bytes(self) -> int:
@@ -164,6 +167,17 @@ class BlockMover(ABC):
         When this returns, the bytes are in place for the next kernel on the engine's
         stream.
         """
+
+    def start_scatter(
+        self, staging: torch.Tensor, block_ids: Sequence[int]
+    ) -> TransferHandle | None:
+        """Enqueue :meth:`scatter`'s copies and return at once, or None where this mover
+        copies only synchronously (:attr:`enqueues` is False).
+
+        The handle's ``done`` says when the blocks hold the rows; until then the caller
+        keeps ``staging`` unchanged and no forward may read the blocks.
+        """
+        return None
 
     def host_buffer(self, n_blocks: int) -> torch.Tensor:
         """A host staging tensor for ``n_blocks`` blocks (pinned on CUDA)."""
@@ -281,6 +295,8 @@ class EngineBlockMover(BlockMover):
             page larger than a staging slot.
     """
 
+    enqueues = True
+
     def __init__(
         self, layers: Sequence[torch.Tensor], options: TransferOptions | None = None
     ) -> None:
@@ -322,6 +338,13 @@ class EngineBlockMover(BlockMover):
         # Blocking wait: the caller may reuse the host rows as soon as this returns, and
         # every later kernel, on any stream, then sees the pages.
         self.engine.load(src, self.kv, block_ids, order=HostOrder.BLOCK).wait()
+
+    @override
+    def start_scatter(
+        self, staging: torch.Tensor, block_ids: Sequence[int]
+    ) -> TransferHandle | None:
+        src = staging.reshape(-1) if staging.is_contiguous() else staging.contiguous().view(-1)
+        return self.engine.load(src, self.kv, block_ids, order=HostOrder.BLOCK)
 
     @override
     def close(self) -> None:

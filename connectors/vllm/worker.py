@@ -8,7 +8,9 @@ arena, ``HostTier.shm_path``, that other processes on the host can map) and move
   scatter per layer. An asynchronous load (a slow tier: ``LoadOp.asynchronous``) does
   the same on the load thread while the engine goes on with the other requests; its
   request is reported in ``get_finished``'s receives when its blocks hold the bytes (or
-  its load failed). Chunks the store no longer has, or that fail to read, are reported
+  its load failed). On CUDA, an asynchronous load whose chunks are all in the pinned
+  host tier takes no thread: the engine thread enqueues its copies on the device and
+  polls them in ``get_finished`` (inplace.py, ``start_in_place``). Chunks the store no longer has, or that fail to read, are reported
   through ``get_block_ids_with_load_errors`` so vLLM recomputes them (for an
   asynchronous load, in the same step as its receive, or earlier);
 * saves never put on the engine step: ``wait_for_save`` only queues them. A save
@@ -55,7 +57,7 @@ from kvtier.spec import KVSpec
 from kvtier.store.store import TieredStore
 
 from .groups import NULL, GroupLayout
-from .inplace import load_in_place
+from .inplace import InPlaceLoad, load_in_place, start_in_place
 from .keys import rank_keys, rank_salt
 from .metadata import (
     KVTierConnectorStats,
@@ -173,6 +175,9 @@ class WorkerSide:
         self._recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._memory_tiers: frozenset[str] = frozenset()
+        # Asynchronous loads enqueued on the device from a pinned tier (engine thread
+        # only): reported in take_recving once their copies are done.
+        self._in_flight: list[tuple[LoadOp, InPlaceLoad, float]] = []
         self.stats = KVTierConnectorStats()
         self._totals: dict[str, float] = {}
         self._closed = False
@@ -250,7 +255,46 @@ class WorkerSide:
             else:
                 self._load(op)
         for ops in off_step.values():
+            if len(ops) == 1 and self._start_in_place(ops[0]):
+                continue
             self._loader.submit(self._load_async, ops)
+
+    def _start_in_place(self, op: LoadOp) -> bool:
+        """Enqueue an asynchronous load straight from a pinned memory tier on the
+        device's copy engines (inplace.py says why not on the load thread)."""
+        mover = self.movers[op.group]
+        if not mover.enqueues or self.broadcast or self.layout.hybrid or NULL in op.block_ids:
+            return False
+        keys = rank_keys(self._salt, op.keys)
+        bpc = self.layout.groups[op.group].tail_blocks
+        load = start_in_place(self.store, mover, keys, op.block_ids, op.skip_blocks, bpc)
+        if load is None:
+            return False
+        self._in_flight.append((op, load, time.perf_counter()))
+        return True
+
+    def _poll_in_flight(self) -> None:
+        """Report the in-place loads whose copies are done (engine thread)."""
+        if not self._in_flight:
+            return
+        pending = []
+        with self._lock:
+            for op, load, t0 in self._in_flight:
+                if not load.done():
+                    pending.append((op, load, t0))
+                    continue
+                mover = self.movers[op.group]
+                bpc = self.layout.groups[op.group].tail_blocks
+                self._recving.add(op.req_id)
+                self.stats.add("load_async", 1)
+                self.stats.add("load_enqueued", 1)
+                self.stats.add("load_chunks", len(op.keys))
+                self.stats.add(
+                    "load_tokens", (len(op.block_ids) - op.skip_blocks) * self.block_size
+                )
+                self.stats.add("load_bytes", len(op.keys) * bpc * mover.block_bytes)
+                self.stats.add("load_s", time.perf_counter() - t0)
+        self._in_flight = pending
 
     def _load_async(self, ops: list[LoadOp]) -> None:
         try:
@@ -379,8 +423,9 @@ class WorkerSide:
         return good
 
     def take_recving(self) -> tuple[set[str], set[str]]:
-        """A hybrid model's requests whose loads ran since the last call, and those of
-        them whose load failed (vLLM recomputes these from their first token)."""
+        """Requests whose asynchronous loads ended since the last call, and a hybrid
+        model's whose load failed (vLLM recomputes these from their first token)."""
+        self._poll_in_flight()
         with self._lock:
             out = (self._recving, self._failed_recving)
             self._recving, self._failed_recving = set(), set()
@@ -530,6 +575,9 @@ class WorkerSide:
         if self._closed:
             return
         self._closed = True
+        for _, load, _ in self._in_flight:
+            load.finish()
+        self._in_flight = []
         self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)
         if self.mover is not None:

@@ -295,3 +295,67 @@ def test_a_cpu_load_scatters_straight_from_the_host_tier(monkeypatch) -> None:
         assert not load_in_place(store, mover, keys, [4, 5, 6, 7], 0, bpc)
     finally:
         store.close()
+
+
+def _host_store(chunk: int) -> object:
+    from kvtier.config import load_config
+    from kvtier.factory import build_store
+    from kvtier.spec import KVSpec
+
+    cfg = load_config(None, env={}, overrides=["tiers.0.capacity_bytes=1MiB"])
+    return build_store(cfg, spec=KVSpec(3, H, HS), chunk_bytes=chunk).store
+
+
+def test_a_cpu_mover_enqueues_no_load() -> None:
+    """Only a mover with copy engines of its own takes an asynchronous load on the
+    engine thread; a CPU one answers None, holding nothing, and the load thread runs it."""
+    import numpy as np
+
+    from kvtier.connectors.vllm.inplace import start_in_place
+
+    src = lbhnc(3)
+    mover = TorchBlockMover([torch.zeros_like(t) for t in src])
+    assert not mover.enqueues
+    store = _host_store(2 * mover.block_bytes)
+    try:
+        keys = [bytes([i]) * 16 for i in range(2)]
+        staged = TorchBlockMover(src).gather([0, 1, 2, 3])
+        store.put(keys, np.ascontiguousarray(staged.numpy())).result()
+        assert start_in_place(store, mover, keys, [4, 5, 6, 7], 0, 2) is None
+        assert store.delete(keys) == 2  # nothing was left held
+    finally:
+        store.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_an_enqueued_load_is_done_only_when_the_blocks_hold_the_chunks() -> None:
+    """The CUDA engine's asynchronous in-place load returns before its copies run (the
+    stream is kept busy), reports done only once the blocks hold the stored bytes, and
+    leaves vLLM's own hit (skipped blocks) untouched."""
+    import numpy as np
+
+    from kvtier.connectors.vllm.inplace import start_in_place
+
+    src = lbnhc(3, "cuda")
+    _fill_bytes(src, None, seed=7)
+    dst = lbnhc(3, "cuda")
+    _fill_bytes(dst, POISON)
+    mover = EngineBlockMover(dst, SLOTS_WIDE)
+    assert mover.enqueues
+    store = _host_store(2 * mover.block_bytes)
+    try:
+        keys = [bytes([i]) * 16 for i in range(2)]
+        staged = EngineBlockMover(src, SLOTS_WIDE).gather([0, 1, 2, 3])
+        store.put(keys, np.ascontiguousarray(staged.numpy())).result()
+        torch.cuda._sleep(200_000_000)  # the copies wait for the current stream
+        load = start_in_place(store, mover, keys, [4, 5, 6, 7], 1, 2)
+        assert load is not None
+        assert not load.done()
+        while not load.done():
+            pass
+        assert _rows(dst, [5, 6, 7]) == _rows(src, [1, 2, 3])
+        assert _rows(dst, [4]) == bytes([POISON]) * mover.block_bytes
+        assert store.delete(keys) == 2  # released once done
+    finally:
+        store.close()
