@@ -293,6 +293,10 @@ class TransferEngine(PagedTransfer):
         s = self._sync
         s.after_current(stream)
         s.use(stream)
+        if self.device.type == "cuda" and not ids_cpu.is_pinned():
+            # From pageable memory CUDA first syncs the stream: the caller would wait for
+            # everything queued before the transfer (a step's forward) to run.
+            ids_cpu = ids_cpu.pin_memory()
         return ids_cpu.to(self.device, non_blocking=True)
 
     def _slot(self, side: int, kv: PagedKV, u: Unit) -> tuple[int, torch.Tensor]:
