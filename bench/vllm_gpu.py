@@ -21,7 +21,10 @@ the other, so that GPU and host memory start clean:
   GDS where the machine allows it, its compat mode otherwise; else the POSIX engine),
   the page cache dropped before each hit where the process may;
 * ``native``: vLLM's ``OffloadingConnector`` (CPU offloading), the thing a user would
-  pick instead.
+  pick instead;
+* ``lmcache`` (not run by default): vLLM's ``LMCacheConnectorV1`` over LMCache's local
+  CPU backend of the same size, 256-token chunks (LMCache 0.5.3 is the last release
+  whose CUDA ops are built for torch 2.11, vLLM 0.26's pin; docs/operations.md).
 
 In each engine, per prompt length and repeat: the prompt runs once cold (vLLM computes
 the prefill: the recompute TTFT), the saves are waited for (kvtier: the worker's save
@@ -140,6 +143,8 @@ def connector_config(source: str, a: argparse.Namespace) -> dict[str, Any]:
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"cpu_bytes_to_use": host_bytes},
         }
+    if source == "lmcache":  # its settings are environment variables (child())
+        return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     if source.startswith("kvtier-host"):
         tiers: list[dict[str, Any]] = [{"kind": "host", "capacity_bytes": host_bytes}]
     else:
@@ -188,6 +193,12 @@ def child(spec: dict[str, Any]) -> int:
     source: str = spec["source"]
     if source == "kvtier-host-staged":  # the A/B of connectors/vllm/inplace.py
         os.environ["KVTIER_LOAD_IN_PLACE"] = "0"
+    if source == "lmcache":
+        os.environ.update(
+            LMCACHE_LOCAL_CPU="True",
+            LMCACHE_MAX_LOCAL_CPU_SIZE=str(a.host_gib),
+            LMCACHE_CHUNK_SIZE=str(CHUNK_TOKENS),
+        )
     lengths: list[int] = spec["lengths"]
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
