@@ -2,7 +2,8 @@
 
     kvtier bench serve --json out.json [--trace mooncake-conversation] [--requests 160]
         [--conversations 40] [--duration-s 120] [--block-tokens 32] [--vllm-kv-tokens 16384]
-        [--rows none,noop,kvtier,daemon,native] [--no-reuse]
+        [--rows none,noop,kvtier,daemon,native] [--no-reuse] [--device auto|cpu|cuda]
+        [--budget-s 0] [--log-dir DIR]
 
 Each row is one ``vllm.entrypoints.openai.api_server`` process started by the
 benchmark (the multi-process engine ``vllm serve`` runs, vLLM's own prefix cache on),
@@ -13,7 +14,15 @@ on the same model, the same prompts and the same arrival times:
   baseline, since configuring *any* connector changes vLLM's engine apart from caching;
 * ``kvtier``: kvtier's connector with an embedded host tier;
 * ``daemon``: kvtier's connector in daemon mode, against a ``kvtier serve`` started here;
-* ``native``: vLLM's own CPU offloading (``--kv-offloading-size``), where it runs.
+* ``native``: vLLM's own CPU offloading (``--kv-offloading-size``), where it runs
+  (vLLM's CUDA build; its CPU build refuses it).
+
+The device (``--device``, by default CUDA where torch sees a GPU) sets the model and
+the scale (bench/_serve_model.py): on a CPU, a small Llama with random weights, short
+prompts and a two-minute replay; on a CUDA GPU, Llama-3-8B's geometry with vLLM's dummy
+weights redrawn in each server (through its ``/collective_rpc``, so ``VLLM_SERVER_DEV_MODE``
+is on there), prompts of thousands of tokens and a 30-second replay. Every option given
+on the command line wins over the device's default.
 
 The trace's requests become token prompts: each ``hash_id`` (one 512-token block in the
 trace) is a block of ``--block-tokens`` deterministic random tokens, so requests that
@@ -33,6 +42,11 @@ request's tokens so that nothing repeats (the overhead case).
 vLLM's KV pool is ``--vllm-kv-tokens`` (``--num-gpu-blocks-override``): choose it below
 the slice's working set to see what a cache below vLLM adds, above it to see that
 nothing is lost when vLLM's own cache suffices.
+
+``--budget-s`` bounds the whole run (a GPU lent for minutes): a row is not started when
+the time left is shorter than the longest row so far, a replay still running at the
+end is cut (that row records an error), and the JSON is rewritten after every row, so
+what finished is kept whatever stops the run.
 """
 
 from __future__ import annotations
@@ -50,17 +64,30 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench._serve_model import (
+    DEVICES,
+    MODELS,
+    WEIGHTS,
+    ServeModel,
+    apply_defaults,
+    detect_device,
+    sharpen_server,
+    write_model,
+)
 from kvtier.bench.common import envelope, free_port, missing, write_json
-from kvtier.bench.tiny_llama import BENCH_GEOMETRY, TinyLlama, write_tiny_llama
+from kvtier.bench.tiny_llama import BENCH_GEOMETRY
 from kvtier.traces import resolve_trace
 
 ROWS = ("none", "noop", "kvtier", "daemon", "native")
 TRACE_BLOCK_TOKENS = 512  # the Mooncake traces' hash_ids each stand for 512 tokens
 VLLM_BLOCK = 32  # vLLM's block size on the CPU build: a multiple of 32
+# What a server needs after its replay: the stop (SIGTERM, the engine's exit) and the JSON.
+STOP_RESERVE_S = 20.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,40 +108,84 @@ class Answer:
     cached_tokens: int
 
 
-def _args(argv: list[str]) -> argparse.Namespace:
+def _args(argv: list[str], detect: Callable[[], str] = lambda: "cpu") -> argparse.Namespace:
+    """The options; ``--device auto`` becomes what ``detect`` answers (``main`` passes
+    :func:`detect_device`), and each option left unset takes that device's default
+    (bench/_serve_model.py)."""
     p = argparse.ArgumentParser(prog="kvtier bench serve", description=__doc__.splitlines()[0])
     p.add_argument("--trace", default="mooncake-conversation")
     p.add_argument(
-        "--conversations", type=int, default=40,
-        help="replay every turn of this many multi-turn conversations (0: a slice instead)",
+        "--device", choices=("auto", *DEVICES), default="auto",
+        help="sets the defaults marked [device] (auto: cuda where torch sees a GPU)",
+    )  # fmt: skip
+    p.add_argument(
+        "--conversations", type=int, default=None,
+        help="replay every turn of this many multi-turn conversations (0: a slice "
+        "instead) [device: 40 cpu, 20 cuda]",
     )  # fmt: skip
     p.add_argument("--start", type=int, default=0, help="with --conversations 0: first request")
     p.add_argument("--requests", type=int, default=160, help="with --conversations 0: how many")
-    p.add_argument("--duration-s", type=float, default=120.0, help="the slice arrives within this")
-    p.add_argument("--block-tokens", type=int, default=32, help="tokens per trace hash_id")
-    p.add_argument("--max-prompt-tokens", type=int, default=4096)
+    p.add_argument(
+        "--duration-s", type=float, default=None,
+        help="the slice arrives within this [device: 120 cpu, 30 cuda]",
+    )  # fmt: skip
+    p.add_argument(
+        "--block-tokens", type=int, default=None,
+        help="tokens per trace hash_id [device: 32 cpu, 256 cuda]",
+    )  # fmt: skip
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="[device: 4096, 16384]")
     p.add_argument("--no-reuse", action="store_true", help="salt every prompt: nothing repeats")
     p.add_argument("--rows", default="none,noop,kvtier,daemon,native")
-    p.add_argument("--vllm-kv-tokens", type=int, default=16384, help="vLLM's own KV pool")
-    p.add_argument("--host-bytes", default="2GiB", help="kvtier's host tier")
+    p.add_argument(
+        "--vllm-kv-tokens", type=int, default=None,
+        help="vLLM's own KV pool [device: 16384 cpu, 32768 cuda]",
+    )  # fmt: skip
+    p.add_argument("--vllm-block", type=int, default=None, help="vLLM's --block-size [32, 16]")
+    p.add_argument(
+        "--host-bytes", default=None, help="kvtier's host tier [device: 2GiB cpu, 24GiB cuda]"
+    )
     p.add_argument("--chunk-tokens", type=int, default=256)
-    p.add_argument("--native-gib", type=float, default=2.0, help="vLLM's CPU offloading size")
+    p.add_argument(
+        "--native-gib", type=float, default=None,
+        help="vLLM's CPU offloading size [device: 2 cpu, 24 cuda]",
+    )  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-batched-tokens", type=int, default=4096)
+    p.add_argument("--max-batched-tokens", type=int, default=None, help="[device: 4096, 8192]")
     p.add_argument("--dtype", default="bfloat16", help="model and KV dtype (bfloat16, float32)")
-    p.add_argument("--layers", type=int, default=BENCH_GEOMETRY.layers)
-    p.add_argument("--kv-heads", type=int, default=BENCH_GEOMETRY.kv_heads)
-    p.add_argument("--start-timeout-s", type=float, default=300.0)
+    p.add_argument(
+        "--model", choices=MODELS, default=None,
+        help="tiny (--layers, --kv-heads) or Llama-3-8B's geometry [device: tiny, llama3-8b]",
+    )  # fmt: skip
+    p.add_argument(
+        "--weights", choices=WEIGHTS, default=None,
+        help="random: written to safetensors (tiny only); dummy: vLLM's, redrawn in the "
+        "server [model: random tiny, dummy llama3-8b]",
+    )  # fmt: skip
+    p.add_argument("--layers", type=int, default=BENCH_GEOMETRY.layers, help="tiny model")
+    p.add_argument("--kv-heads", type=int, default=BENCH_GEOMETRY.kv_heads, help="tiny model")
+    p.add_argument("--start-timeout-s", type=float, default=None, help="[device: 300, 240]")
+    p.add_argument(
+        "--budget-s", type=float, default=0.0,
+        help="bound the whole run to this many seconds (0: none); see the module's doc",
+    )  # fmt: skip
     p.add_argument("--repeat", type=int, default=1, help="runs of every row, order alternating")
     p.add_argument("--keep", action="store_true", help="keep the servers' logs and the model")
+    p.add_argument("--log-dir", default=None, help="write the servers' logs here (kept)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    if a.device == "auto":
+        a.device = detect()
+    apply_defaults(a)
     a.rows = [r for r in a.rows.split(",") if r]
     bad = [r for r in a.rows if r not in ROWS]
     if bad:
         p.error(f"unknown rows {bad}; choose from {','.join(ROWS)}")
     if a.block_tokens < 1 or a.requests < 1 or a.duration_s <= 0:
         p.error("--block-tokens and --requests must be >= 1, --duration-s > 0")
+    if a.model != "tiny" and a.weights != "dummy":
+        p.error(f"--model {a.model} runs with --weights dummy only (no weights are written)")
+    if a.chunk_tokens % a.vllm_block:
+        p.error("--chunk-tokens must be a multiple of --vllm-block")
     return a
 
 
@@ -157,7 +228,7 @@ def load_requests(a: argparse.Namespace, vocab: int) -> list[Request]:
     out: list[Request] = []
     for i, r in enumerate(rows):
         n = round(r["input_length"] * a.block_tokens / TRACE_BLOCK_TOKENS)
-        n = max(VLLM_BLOCK, min(a.max_prompt_tokens, n))
+        n = max(a.vllm_block, min(a.max_prompt_tokens, n))
         toks = [t for h in r["hash_ids"] for t in block(h)][:n]
         if len(toks) < n:  # the trace's last block may be longer than its ids say
             toks += block(-1 - i)[: n - len(toks)]
@@ -191,9 +262,11 @@ class Server:
             if self.proc.poll() is not None:
                 text = self.log.read_text(errors="replace")
                 # The root cause, not the launcher's "initialization failed" after it.
+                # A warning may quote an error ("OSError: [Errno 24]" in vLLM's ulimit one).
                 cause = [
                     ln for ln in text.splitlines()
                     if "Error: " in ln and "Engine core initialization failed" not in ln
+                    and " WARNING " not in ln
                 ]  # fmt: skip
                 why = cause[0].split("] ", 1)[-1].strip() if cause else "see the log"
                 raise RuntimeError(f"server exited ({self.proc.returncode}): {why}\n{text[-3000:]}")
@@ -216,17 +289,22 @@ class Server:
                 self.proc.wait()
 
 
-def _server_args(a: argparse.Namespace, row: str, model: Path, daemon_url: str) -> list[str]:
+def _server_args(a: argparse.Namespace, row: str, model: ServeModel, daemon_url: str) -> list[str]:
     longest = a.max_prompt_tokens + 64
+    # --enforce-eager also on CUDA: one token per request is all prefill, which CUDA
+    # graphs do not speed up, and every row's server would compile again at its start.
     args = [
-        "--model", str(model), "--load-format", "safetensors", "--skip-tokenizer-init",
-        "--block-size", str(VLLM_BLOCK), "--max-model-len", str(longest),
+        "--model", str(model.path), "--load-format", model.load_format,
+        "--skip-tokenizer-init",
+        "--block-size", str(a.vllm_block), "--max-model-len", str(longest),
         "--max-num-seqs", str(a.max_num_seqs),
         "--max-num-batched-tokens", str(max(a.max_batched_tokens, longest)),
-        "--num-gpu-blocks-override", str(a.vllm_kv_tokens // VLLM_BLOCK),
+        "--num-gpu-blocks-override", str(a.vllm_kv_tokens // a.vllm_block),
         "--enable-prefix-caching", "--enforce-eager", "--seed", "0", "--dtype", a.dtype,
         "--enable-prompt-tokens-details",
     ]  # fmt: skip
+    if model.sharpen:
+        args += ["--worker-extension-cls", "kvtier.bench._serve_model.SharpenExtension"]
     tiers = [{"kind": "host", "capacity_bytes": a.host_bytes}]
     ktc: dict[str, Any] | None = None
     if row == "noop":
@@ -263,8 +341,14 @@ def _metrics(url: str) -> dict[str, float]:
     return out
 
 
-async def _replay(url: str, model: str, reqs: list[Request]) -> list[Answer]:
-    """Send each request at its arrival time (open loop); one greedy token each."""
+async def _replay(
+    url: str, model: str, reqs: list[Request], timeout_s: float | None = None
+) -> list[Answer]:
+    """Send each request at its arrival time (open loop); one greedy token each.
+
+    Raises:
+        TimeoutError: not every answer came within ``timeout_s`` (None: no bound).
+    """
     import httpx
 
     limits = httpx.Limits(max_connections=len(reqs) + 8, max_keepalive_connections=64)
@@ -291,7 +375,7 @@ async def _replay(url: str, model: str, reqs: list[Request]) -> list[Answer]:
                 cached_tokens=int(details.get("cached_tokens") or 0),
             )
 
-        return list(await asyncio.gather(*(one(r) for r in reqs)))
+        return list(await asyncio.wait_for(asyncio.gather(*(one(r) for r in reqs)), timeout_s))
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -320,6 +404,18 @@ def reusable_tokens(reqs: list[Request], block: int = VLLM_BLOCK) -> list[int]:
     return out
 
 
+def distinct_blocks(reqs: list[Request], block: int) -> int:
+    """Distinct prefixes of whole ``block``s over all prompts: the blocks a cache would
+    keep to hold every prefix (the slice's working set, in blocks)."""
+    seen: set[int] = set()
+    for r in reqs:
+        key = 0
+        for i in range(0, len(r.tokens) - block + 1, block):
+            key = hash((key, r.tokens[i : i + block]))  # names the whole prefix
+            seen.add(key)
+    return len(seen)
+
+
 def reuse_figures(ttft: list[float], reusable: list[int], least: int) -> dict[str, Any]:
     """TTFT percentiles of the requests with at least ``least`` reusable tokens: where a
     cache can act at all. A trace's first turns share nothing but a system prompt, and
@@ -342,35 +438,70 @@ def _warm(url: str, model: str, vocab: int) -> None:
     asyncio.run(_replay(url, model, warm))
 
 
+def _left_s(deadline: float | None, what: str) -> float | None:
+    """Seconds to ``deadline`` (monotonic) less the stop's reserve; None without one."""
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic() - STOP_RESERVE_S
+    if left <= 0:
+        raise RuntimeError(f"out of time (--budget-s) before {what}")
+    return left
+
+
 def run_row(
     a: argparse.Namespace,
     row: str,
-    model: Path,
+    model: ServeModel,
     reqs: list[Request],
     tmp: Path,
-    vocab: int,
     reusable: list[int] | None = None,
+    deadline: float | None = None,
+    log_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Start the row's server(s), replay, read the counters, stop; the row's figures."""
+    """Start the row's server(s), replay, read the counters, stop; the row's figures.
+
+    ``deadline`` (``time.monotonic()``): the server's start and the replay are cut so
+    that the row ends by then. Raises RuntimeError when the row could not be measured.
+    """
+    import httpx
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="4")
+    if a.device == "cpu":
+        env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_CPU_KVCACHE_SPACE="4")
+    if model.sharpen:  # the /collective_rpc that redraws the dummy weights
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     daemon = None
     daemon_url = ""
     if row == "daemon":
         from kvtier.bench._daemon_load import start_kvtier
 
-        geo = replace(BENCH_GEOMETRY, layers=a.layers, kv_heads=a.kv_heads)
-        chunk_bytes = geo.kv_bytes_per_token(a.dtype) * a.chunk_tokens
+        chunk_bytes = model.kv_bytes_per_token * a.chunk_tokens
         daemon_url, daemon = start_kvtier(tmp, a.host_bytes, max_value_bytes=chunk_bytes)
-    server = Server(_server_args(a, row, model, daemon_url), tmp / f"{row}.log", env)
+    log = (log_dir or tmp) / f"{row}.log"
+    t_start = time.perf_counter()
+    server = Server(_server_args(a, row, model, daemon_url), log, env)
+    sharpened = None
     try:
-        server.wait_ready(a.start_timeout_s)
-        _warm(server.url, str(model), vocab)
+        start_left = _left_s(deadline, "the server's start")
+        server.wait_ready(min(a.start_timeout_s, start_left or a.start_timeout_s))
+        start_s = time.perf_counter() - t_start
+        if model.sharpen:
+            sharpened = sharpen_server(server.url)
+        _warm(server.url, str(model.path), model.vocab)
         before = _metrics(server.url)
         load0 = os.getloadavg()[0]
         t0 = time.perf_counter()
-        answers = asyncio.run(_replay(server.url, str(model), reqs))
+        try:
+            answers = asyncio.run(
+                _replay(server.url, str(model.path), reqs, _left_s(deadline, "the replay"))
+            )
+        except TimeoutError:
+            raise RuntimeError(
+                f"out of time (--budget-s): replay cut after {time.perf_counter() - t0:.0f} s"
+            ) from None
+        except httpx.HTTPError as exc:
+            raise RuntimeError(f"a request failed: {exc!r}; see {log}") from exc
         wall = time.perf_counter() - t0
         load1 = os.getloadavg()[0]
         after = _metrics(server.url)
@@ -392,6 +523,8 @@ def run_row(
 
     return {
         "row": row,
+        "server_start_s": start_s,
+        "sharpened_tensors": sharpened,
         "ttft_p50_s": _pct(ttft, 0.5),
         "ttft_p90_s": _pct(ttft, 0.9),
         "ttft_p99_s": _pct(ttft, 0.99),
@@ -415,12 +548,16 @@ def run_row(
     }
 
 
-def summarise(a: argparse.Namespace, runs: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+def summarise(
+    a: argparse.Namespace, runs: list[dict[str, Any]], n: int, *, quiet: bool = False
+) -> list[dict[str, Any]]:
     """Per row: the median over repeats of each figure and of its ratio to the baseline
-    of the same repeat; outputs compared with the ``none`` row of the same repeat."""
+    of the same repeat; outputs compared with the ``none`` row of the same repeat (the
+    baseline's where ``none`` was not run). ``quiet``: print nothing."""
     done = [r for r in runs if "error" not in r]
     rows_run = {r["row"] for r in done}
     base = "noop" if "noop" in rows_run else "none" if "none" in rows_run else None
+    ref_row = "none" if "none" in rows_run else base
     by = {(r["row"], r["repeat"]): r for r in done}
     out: list[dict[str, Any]] = []
     # Each figure and the name of its ratio to the baseline.
@@ -443,7 +580,7 @@ def summarise(a: argparse.Namespace, runs: list[dict[str, Any]], n: int) -> list
                 s[f] = statistics.median(r[f] for r in mine)
         same = total = 0
         for r in mine:
-            ref = by.get(("none", r["repeat"]))
+            ref = by.get((ref_row, r["repeat"])) if ref_row else None
             if ref is not None:
                 same += sum(x == y for x, y in zip(r["tokens"], ref["tokens"], strict=True))
                 total += n
@@ -453,6 +590,7 @@ def summarise(a: argparse.Namespace, runs: list[dict[str, Any]], n: int) -> list
                     if f in r and b.get(f):
                         r[name] = r[f] / b[f]
         s["outputs_identical"] = f"{same}/{total}"
+        s["outputs_reference"] = ref_row
         for key in ratios.values():
             vals = [r[key] for r in mine if key in r]
             if vals:
@@ -460,14 +598,14 @@ def summarise(a: argparse.Namespace, runs: list[dict[str, Any]], n: int) -> list
                 s[key + "s"] = vals
         s["runs"] = mine
         out.append(s)
-    if base is not None:
+    if base is not None and not quiet:
         print(f"against {base}, median over {a.repeat} repeat(s):")
         for s in out:
             if "ttft_p50_ratio" in s:
                 print(
                     f"{s['row']:>7}: TTFT p50 {s['ttft_p50_ratio']:.2f}x  p90 "
                     f"{s['ttft_p90_ratio']:.2f}x  p99 {s['ttft_p99_ratio']:.2f}x  throughput "
-                    f"{s['throughput_ratio']:.2f}x  outputs identical to none "
+                    f"{s['throughput_ratio']:.2f}x  outputs identical to {ref_row} "
                     f"{s['outputs_identical']}"
                     + (
                         f"  reusing: p50 {s['ttft_reuse_p50_ratio']:.2f}x  p99 "
@@ -480,40 +618,37 @@ def summarise(a: argparse.Namespace, runs: list[dict[str, Any]], n: int) -> list
 
 
 def main(argv: list[str]) -> int:
-    a = _args(argv)
+    t_begin = time.monotonic()
+    a = _args(argv, detect_device)
     if missing("vllm", "every serve row", "pip install 'kvtier[vllm]'"):
         return 0
     if missing("httpx", "every serve row", "pip install 'kvtier[service]'"):
         return 0
-    geo: TinyLlama = replace(
-        BENCH_GEOMETRY, layers=a.layers, kv_heads=a.kv_heads,
-        max_positions=max(8192, a.max_prompt_tokens + 128),
-    )  # fmt: skip
+    deadline = t_begin + a.budget_s if a.budget_s > 0 else None
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-serve-"))
-    model = write_tiny_llama(tmp / "model", geo)
-    reqs = load_requests(a, geo.vocab)
-    kv_per_token = geo.kv_bytes_per_token(a.dtype)
+    log_dir = Path(a.log_dir) if a.log_dir else None
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    model = write_model(a, tmp / "model")
+    reqs = load_requests(a, model.vocab)
+    kv_per_token = model.kv_bytes_per_token
     prompt_tokens = sum(len(r.tokens) for r in reqs)
-    # Distinct blocks of vLLM's size: what all prefixes together would keep in a cache.
-    distinct = len(
-        {
-            r.tokens[: i + VLLM_BLOCK]
-            for r in reqs
-            for i in range(0, len(r.tokens) - VLLM_BLOCK + 1, VLLM_BLOCK)
-        }
-    )
+    block = a.vllm_block
+    distinct = distinct_blocks(reqs, block)
     print(
+        f"{a.device}, model {a.model} ({a.weights} weights, "
+        f"{kv_per_token // 1024} KiB of KV per token): "
         f"{len(reqs)} requests of {a.trace} ("
         + (f"{a.conversations} conversations" if a.conversations > 0 else f"from #{a.start}")
         + f") in {a.duration_s:.0f} s, "
         f"{prompt_tokens} prompt tokens ({prompt_tokens / len(reqs):.0f} per request), "
-        f"working set {distinct * VLLM_BLOCK} tokens = "
-        f"{distinct * VLLM_BLOCK * kv_per_token / 2**20:.0f} MiB of KV; vLLM's pool "
+        f"working set {distinct * block} tokens = "
+        f"{distinct * block * kv_per_token / 2**20:.0f} MiB of KV; vLLM's pool "
         f"{a.vllm_kv_tokens} tokens" + (" (no reuse)" if a.no_reuse else "")
     )
     # Near the engine's capacity TTFT is all queueing, and a few percent of throughput
     # swings it several-fold: compare rows at an offered load well below capacity.
-    reusable = reusable_tokens(reqs)
+    reusable = reusable_tokens(reqs, block)
     reusing = sum(n >= a.chunk_tokens for n in reusable)
     print(
         f"{reusing} requests start with {a.chunk_tokens}+ tokens an earlier one started with "
@@ -525,21 +660,51 @@ def main(argv: list[str]) -> int:
         "the engine kept up, below it that requests queued"
     )
     runs: list[dict[str, Any]] = []  # one per row and repeat, in the order run
+
+    def report(quiet: bool) -> None:
+        write_json(
+            a.json,
+            envelope(
+                "serve",
+                summarise(a, runs, len(reqs), quiet=quiet),
+                geometry=model.geometry,
+                kv_bytes_per_token=kv_per_token,
+                options=vars(a),
+                requests=len(reqs),
+                prompt_tokens=prompt_tokens,
+                offered_prompt_tokens_per_s=offered,
+                working_set_tokens=distinct * block,
+                reusable_tokens=reusable,
+                wall_s=time.monotonic() - t_begin,
+            ),
+        )
+
     ok = False
+    longest_row_s = 0.0
     try:
         for rep in range(a.repeat):
             # Every other repeat runs the rows backwards: a drift of the machine's load
             # then hits each row from both sides (the rows' ratios are per repeat).
             order = a.rows if rep % 2 == 0 else a.rows[::-1]
             for row in order:
+                t_row = time.monotonic()
                 try:
-                    r = run_row(a, row, model, reqs, tmp, geo.vocab, reusable)
+                    if deadline is not None and deadline - t_row < longest_row_s:
+                        raise RuntimeError(
+                            f"out of time (--budget-s): {deadline - t_row:.0f} s left, "
+                            f"a row took up to {longest_row_s:.0f} s"
+                        )
+                    r = run_row(a, row, model, reqs, tmp, reusable, deadline, log_dir)
                 except RuntimeError as exc:
                     print(f"{row}: not run: {str(exc).splitlines()[0]}")
                     runs.append({"row": row, "repeat": rep, "error": str(exc)[-2000:]})
+                    report(quiet=True)
                     continue
+                finally:
+                    longest_row_s = max(longest_row_s, time.monotonic() - t_row)
                 r["repeat"] = rep
                 runs.append(r)
+                report(quiet=True)
                 print(
                     f"{row:>7} #{rep}: TTFT p50 {r['ttft_p50_s'] * 1e3:8.1f} ms  p90 "
                     f"{r['ttft_p90_s'] * 1e3:8.1f}  p99 {r['ttft_p99_s'] * 1e3:8.1f}  "
@@ -547,6 +712,7 @@ def main(argv: list[str]) -> int:
                     f"{100 * r['vllm_hit_rate']:5.1f}%  external "
                     f"{100 * r['external_hit_rate']:5.1f}%  preemptions {r['preemptions']:.0f}"
                     f"  load {r['load_avg_1m'][0]:.1f}-{r['load_avg_1m'][1]:.1f}"
+                    f"  server start {r['server_start_s']:.0f} s"
                 )
         ok = True
     finally:
@@ -554,21 +720,7 @@ def main(argv: list[str]) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             print(f"logs and model kept in {tmp}")
-    rows = summarise(a, runs, len(reqs))
-    write_json(
-        a.json,
-        envelope(
-            "serve",
-            rows,
-            geometry=asdict(geo),
-            options=vars(a),
-            requests=len(reqs),
-            prompt_tokens=prompt_tokens,
-            offered_prompt_tokens_per_s=offered,
-            working_set_tokens=distinct * VLLM_BLOCK,
-            reusable_tokens=reusable,
-        ),
-    )
+    report(quiet=False)
     return 0
 
 
