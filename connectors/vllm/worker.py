@@ -10,9 +10,10 @@ arena, ``HostTier.shm_path``, that other processes on the host can map) and move
   request is reported in ``get_finished``'s receives when its blocks hold the bytes (or
   its load failed). On CUDA, an asynchronous load whose chunks are all in the pinned
   host tier takes no thread: the engine thread enqueues its copies on the device and
-  polls them in ``get_finished`` (inplace.py, ``start_in_place``). Chunks the store no longer has, or that fail to read, are reported
-  through ``get_block_ids_with_load_errors`` so vLLM recomputes them (for an
-  asynchronous load, in the same step as its receive, or earlier);
+  polls them in ``get_finished`` (inplace.py, ``start_in_place``). Chunks the store no
+  longer has, or that fail to read, are reported through
+  ``get_block_ids_with_load_errors`` so vLLM recomputes them (for an asynchronous
+  load, in the same step as its receive, or earlier);
 * saves never put on the engine step: ``wait_for_save`` only queues them. A save
   thread gathers the blocks (one ``index_select`` per layer into staging) and puts them
   into the store. A request whose saves are queued keeps its blocks (the scheduler side
