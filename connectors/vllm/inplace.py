@@ -18,10 +18,9 @@ turns it off (the benchmark's A/B of the two paths).
 :func:`start_in_place` is the asynchronous form, for a mover whose copies are
 themselves asynchronous (the CUDA transfer engine): the engine thread enqueues every
 chunk's DMA and goes on; :class:`InPlaceLoad` keeps the chunks held until the device
-reports the copies done. A load thread would do no better there: each of its copies
-waits on the device and then for the GIL, which vLLM's engine loop holds while the
-request waits (about 7 ms a chunk on the H100 host, against 1 ms on the engine thread;
-docs/benchmarks.md, "On a CUDA engine").
+reports the copies done. A load thread cost about 7 ms a chunk on the H100 host, against
+1 ms inside the step (docs/benchmarks.md, "On a CUDA engine"): each of its copies waits
+on the device, then for the GIL, which vLLM's engine loop holds while the request waits.
 """
 
 from __future__ import annotations
