@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -97,12 +98,12 @@ class Daemon:
         return stop_process(self.proc)
 
 
-@pytest.fixture
-def two_daemons(tmp_path: Path, redis_server: RedisServer) -> Iterator[tuple[Daemon, Daemon]]:
-    cfg = write_config(tmp_path / "kvtier.toml", redis_server.url, f"d-{uuid.uuid4().hex[:8]}")
+@contextmanager
+def daemon_pair(tmp_path: Path, config_a: Path, config_b: Path) -> Iterator[tuple[Daemon, Daemon]]:
+    """Daemons a and b on their configs; both stopped at the end, each exit checked clean."""
     started: list[Daemon] = []
     try:
-        for name in ("a", "b"):
+        for name, cfg in (("a", config_a), ("b", config_b)):
             started.append(Daemon(cfg, tmp_path / f"daemon-{name}.log"))
         yield started[0], started[1]
     finally:
@@ -110,6 +111,13 @@ def two_daemons(tmp_path: Path, redis_server: RedisServer) -> Iterator[tuple[Dae
             rc = d.stop()
             # uvicorn re-raises SIGTERM after its graceful shutdown: -15 is a clean exit.
             assert rc in (0, -signal.SIGTERM), d.log.read_text()
+
+
+@pytest.fixture
+def two_daemons(tmp_path: Path, redis_server: RedisServer) -> Iterator[tuple[Daemon, Daemon]]:
+    cfg = write_config(tmp_path / "kvtier.toml", redis_server.url, f"d-{uuid.uuid4().hex[:8]}")
+    with daemon_pair(tmp_path, cfg, cfg) as pair:
+        yield pair
 
 
 def test_chunk_put_through_one_daemon_is_a_hit_through_the_other(two_daemons) -> None:

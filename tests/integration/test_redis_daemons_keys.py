@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kvtier.crypto import load_master_key
-from tests.integration.test_redis_daemons import CHUNK, Daemon, write_config
+from tests.integration.test_redis_daemons import CHUNK, Daemon, daemon_pair, write_config
 from tests.redis_servers import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -41,17 +41,9 @@ def sealed_config(tmp: Path, name: str, redis_url: str, prefix: str) -> Path:
 @pytest.fixture
 def keyed_daemons(tmp_path: Path, redis_server: RedisServer) -> Iterator[tuple[Daemon, Daemon]]:
     """Daemons a and b, each with its own master key; their Redis keys start with PREFIX."""
-    prefix = PREFIX
-    started: list[Daemon] = []
-    try:
-        for name in ("a", "b"):
-            cfg = sealed_config(tmp_path, name, redis_server.url, prefix)
-            started.append(Daemon(cfg, tmp_path / f"daemon-{name}.log"))
-        yield started[0], started[1]
-    finally:
-        for d in started:
-            rc = d.stop()
-            assert rc in (0, -signal.SIGTERM), d.log.read_text()
+    configs = [sealed_config(tmp_path, n, redis_server.url, PREFIX) for n in ("a", "b")]
+    with daemon_pair(tmp_path, *configs) as pair:
+        yield pair
 
 
 def _corrupt(c: object) -> int:
