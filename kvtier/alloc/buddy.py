@@ -23,11 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvtier._native import native_enabled
 from kvtier.errors import InputError
 
 try:
+    if not native_enabled():
+        raise ImportError("KVTIER_NATIVE turns the C core off")
     from kvtier._core import Buddy as _Buddy
-except ImportError:  # built without a C compiler: the reference allocator serves
+except ImportError:  # built without a C compiler, or turned off: the reference serves
     _Buddy = None  # type: ignore[assignment,misc]
 
 NATIVE_MAX_UNITS = 1 << 26

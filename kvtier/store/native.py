@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from kvtier._native import native_enabled
 from kvtier.store.index import StoreIndex
 from kvtier.store.policy import EvictionFactory, LRUEviction, PlacementPolicy
 from kvtier.store.quota import Quotas
@@ -25,8 +26,10 @@ from kvtier.store.types import EventKind, StoreEvent
 from kvtier.tiers.base import Tier
 
 try:
+    if not native_enabled():
+        raise ImportError("KVTIER_NATIVE turns the C core off")
     from kvtier import _core
-except ImportError:  # built without a C compiler: the Python index serves
+except ImportError:  # built without a C compiler, or turned off: the Python index serves
     _core = None  # type: ignore[assignment]
 
 # The placement hooks the C verbs skip when the placement keeps the default (a no-op).

@@ -12,6 +12,7 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import override
 
+from kvtier._native import native_enabled
 from kvtier.enums import Switch
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import SlotRun, TierGeometry, TierProfile, TierSection, ViewableTier
@@ -23,8 +24,10 @@ try:
 except ImportError:  # built without a C compiler: numpy copies every value
     _copy_c = None
 try:
+    if not native_enabled():
+        raise ImportError("KVTIER_NATIVE turns the C core off")
     from kvtier._core import copy_slots as _copy_slots
-except ImportError:  # built without a C compiler: Tier.write and copy_in, in Python
+except ImportError:  # built without a C compiler, or turned off: Tier.write and copy_in
     _copy_slots = None  # type: ignore[assignment]
 
 

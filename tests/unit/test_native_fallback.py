@@ -103,6 +103,20 @@ def test_a_failed_build_serves_on_the_python_code(tmp_path: Path) -> None:
     _check_python_path(out)
 
 
+@pytest.mark.parametrize("value", ["0", "off"])
+def test_kvtier_native_off_serves_on_the_python_code_where_the_core_is_built(
+    tmp_path: Path, value: str
+) -> None:
+    pytest.importorskip("kvtier._core", reason="the C core is not built here")
+    env = {**os.environ, "KVTIER_NATIVE": value}
+    _check_python_path(_run([sys.executable, "-c", ROUND_TRIP], cwd=tmp_path, env=env))
+    # Unset, the same interpreter picks the core: the switch, not the build, decided.
+    env.pop("KVTIER_NATIVE")
+    out = _run([sys.executable, "-c", ROUND_TRIP], cwd=tmp_path, env=env)
+    assert out["native_allocator"] is True and out["native_index"] is True
+    assert out["index_is_reference"] is False and out["same_bytes"] is True
+
+
 @pytest.mark.slow
 def test_a_wheel_built_without_a_c_compiler_installs_and_runs(tmp_path: Path) -> None:
     pytest.importorskip("setuptools")
