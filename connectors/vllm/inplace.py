@@ -68,12 +68,14 @@ def _hold(
             if mover.device.type != "cuda" or all(
                 torch.frombuffer(h.view, dtype=torch.uint8).is_pinned() for h in held
             ):
-                return held
+                out, held = held, []
+                return out
             # An arena that is not page-locked: DMA would bounce anyway.
-    except (KVTierError, RuntimeError) as exc:
+    except Exception as exc:  # never a crash of the engine step: the staged path decides
         log.warning("kvtier in-place load failed, loading through staging: %s", exc)
-    for h in held:
-        h.release()
+    finally:
+        for h in held:  # a held chunk cannot be evicted, and the store's close waits for it
+            h.release()
     return None
 
 
@@ -157,18 +159,20 @@ class InPlaceLoad:
         """
         if not all(h.done() for h in self.handles):
             return False
-        self._release()
+        self.release()
         return True
 
     def finish(self) -> None:
-        """Wait for the copies, then release the chunks (shutdown, or a failed start)."""
+        """Wait for the copies, then release the chunks (shutdown). They are released
+        even when the wait raises (a device error), which is then raised."""
         try:
             for h in self.handles:
                 h.wait()
         finally:
-            self._release()
+            self.release()
 
-    def _release(self) -> None:
+    def release(self) -> None:
+        """Release the chunks now, done or not: only once no copy can still read them."""
         held, self.held, self.handles = self.held, [], []
         for h in held:
             h.release()
@@ -198,11 +202,18 @@ def start_in_place(
     try:
         for rows, ids in _runs(mover, held, block_ids, skip_blocks, blocks_per_chunk):
             handle = mover.start_scatter(rows, ids)
-            assert handle is not None  # mover.enqueues
+            if handle is None:
+                raise KVTierError(f"{type(mover).__name__} enqueued no copy")
             load.handles.append(handle)
-    except (KVTierError, RuntimeError) as exc:
+    except Exception as exc:  # never a crash of the engine step: the staged path decides
         log.warning("kvtier in-place load failed, loading through staging: %s", exc)
-        load.finish()
+        try:
+            # A transfer that failed part-way left copies with no handle: the chunks are
+            # released, and the staged path writes the blocks, only after every one.
+            if mover.device.type == "cuda":
+                torch.cuda.synchronize(mover.device)
+        finally:
+            load.release()
         return None
     _announce()
     return load

@@ -266,26 +266,44 @@ class WorkerSide:
         mover = self.movers[op.group]
         if not mover.enqueues or self.broadcast or self.layout.hybrid or NULL in op.block_ids:
             return False
-        keys = rank_keys(self._salt, op.keys)
+        t0 = time.perf_counter()
         bpc = self.layout.groups[op.group].tail_blocks
-        load = start_in_place(self.store, mover, keys, op.block_ids, op.skip_blocks, bpc)
+        try:
+            keys = rank_keys(self._salt, op.keys)
+            load = start_in_place(self.store, mover, keys, op.block_ids, op.skip_blocks, bpc)
+        except Exception as exc:  # never a crash of the engine step: the load thread runs it
+            log.warning("kvtier could not enqueue the load of request %s: %s", op.req_id, exc)
+            return False
         if load is None:
             return False
-        self._in_flight.append((op, load, time.perf_counter()))
+        self._in_flight.append((op, load, t0))
         return True
 
     def _poll_in_flight(self) -> None:
-        """Report the in-place loads whose copies are done (engine thread)."""
-        if not self._in_flight:
-            return
-        pending = []
-        with self._lock:
-            for op, load, t0 in self._in_flight:
-                if not load.done():
-                    pending.append((op, load, t0))
-                    continue
-                mover = self.movers[op.group]
-                bpc = self.layout.groups[op.group].tail_blocks
+        """Report the in-place loads whose copies are done (engine thread). Each load is
+        reported once: done, or failed (a device error), when vLLM recomputes it."""
+        flights, self._in_flight = self._in_flight, []
+        for op, load, t0 in flights:
+            try:
+                done = load.done()
+            except Exception as exc:  # what the copies wrote is unknown: recompute it all
+                log.warning(
+                    "kvtier load of request %s failed; vLLM recomputes it: %s", op.req_id, exc
+                )
+                load.release()  # a device in error runs no more copies
+                with self._lock:
+                    self._load_errors.update(op.block_ids[op.skip_blocks :])
+                    self._missing.update(op.keys)
+                    self._recving.add(op.req_id)
+                    self.stats.add("load_async", 1)
+                    self.stats.add("load_failed_blocks", len(op.block_ids) - op.skip_blocks)
+                continue
+            if not done:
+                self._in_flight.append((op, load, t0))
+                continue
+            mover = self.movers[op.group]
+            bpc = self.layout.groups[op.group].tail_blocks
+            with self._lock:
                 self._recving.add(op.req_id)
                 self.stats.add("load_async", 1)
                 self.stats.add("load_enqueued", 1)
@@ -295,7 +313,6 @@ class WorkerSide:
                 )
                 self.stats.add("load_bytes", len(op.keys) * bpc * mover.block_bytes)
                 self.stats.add("load_s", time.perf_counter() - t0)
-        self._in_flight = pending
 
     def _load_async(self, ops: list[LoadOp]) -> None:
         try:
@@ -576,12 +593,17 @@ class WorkerSide:
         if self._closed:
             return
         self._closed = True
-        for _, load, _ in self._in_flight:
-            load.finish()
-        self._in_flight = []
-        self._loader.shutdown(wait=True)
-        self._saver.shutdown(wait=True)
-        if self.mover is not None:
-            self.mover.close()
-        if self.store is not None:
-            self.store.close()
+        flights, self._in_flight = self._in_flight, []
+        try:
+            for _, load, _ in flights:
+                try:  # the copies read held chunks: the store closes after them
+                    load.finish()
+                except Exception as exc:  # a device error: the chunks are released anyway
+                    log.warning("kvtier: a load in flight failed at shutdown: %s", exc)
+        finally:
+            self._loader.shutdown(wait=True)
+            self._saver.shutdown(wait=True)
+            if self.mover is not None:
+                self.mover.close()
+            if self.store is not None:
+                self.store.close()

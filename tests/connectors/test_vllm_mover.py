@@ -322,7 +322,7 @@ def test_a_cpu_mover_enqueues_no_load() -> None:
         staged = TorchBlockMover(src).gather([0, 1, 2, 3])
         store.put(keys, np.ascontiguousarray(staged.numpy())).result()
         assert start_in_place(store, mover, keys, [4, 5, 6, 7], 0, 2) is None
-        assert store.delete(keys) == 2  # nothing was left held
+        assert store.stats().get_chunks == 0  # nothing was held (a release counts a get)
     finally:
         store.close()
 
@@ -352,10 +352,53 @@ def test_an_enqueued_load_is_done_only_when_the_blocks_hold_the_chunks() -> None
         load = start_in_place(store, mover, keys, [4, 5, 6, 7], 1, 2)
         assert load is not None
         assert not load.done()
+        assert store.stats().get_chunks == 0  # held while the copies may read them
         while not load.done():
             pass
         assert _rows(dst, [5, 6, 7]) == _rows(src, [1, 2, 3])
         assert _rows(dst, [4]) == bytes([POISON]) * mover.block_bytes
-        assert store.delete(keys) == 2  # released once done
+        assert store.stats().get_chunks == 2  # released once done (a release counts a get)
+    finally:
+        store.close()
+
+
+def test_an_enqueue_that_fails_part_way_holds_nothing_and_raises_nothing() -> None:
+    """A copy engine that refuses the second chunk (a fault no CPU copy produces, hence
+    the stand-in): the load is not started, and every chunk is released at once."""
+    import numpy as np
+
+    from kvtier.connectors.vllm.inplace import start_in_place
+
+    class RefusesSecond(TorchBlockMover):
+        enqueues = True
+
+        def __init__(self, layers: list[torch.Tensor]) -> None:
+            super().__init__(layers)
+            self.calls = 0
+
+        def start_scatter(self, staging, block_ids):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            if self.calls == 2:
+                raise ValueError("refused")
+            self.scatter(staging, block_ids)
+            return None if self.calls > 2 else _Done()
+
+    class _Done:
+        def done(self) -> bool:
+            return True
+
+        def wait(self) -> None:
+            return None
+
+    src = lbhnc(3)
+    mover = RefusesSecond([torch.zeros_like(t) for t in src])
+    store = _host_store(2 * mover.block_bytes)
+    try:
+        keys = [bytes([i]) * 16 for i in range(2)]
+        staged = TorchBlockMover(src).gather([0, 1, 2, 3])
+        store.put(keys, np.ascontiguousarray(staged.numpy())).result()
+        assert start_in_place(store, mover, keys, [4, 5, 6, 7], 0, 2) is None
+        assert mover.calls == 2
+        assert store.stats().get_chunks == 2  # both released (a release counts a get)
     finally:
         store.close()
