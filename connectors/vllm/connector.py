@@ -389,7 +389,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     @override
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         recving, _ = self.worker.take_recving()
-        return self.worker.get_finished(finished_req_ids), recving or None
+        return self.worker.get_finished(finished_req_ids, recving), recving or None
 
     @override
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
@@ -400,7 +400,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
         recving, failed = self.worker.take_recving()
         return KVConnectorTransferResults(
-            finished_sending=set(self.worker.get_finished(finished_req_ids) or ()),
+            finished_sending=set(self.worker.get_finished(finished_req_ids, recving) or ()),
             finished_recving=recving,
             failed_recving=failed,
         )

@@ -175,6 +175,8 @@ class WorkerSide:
         # start), reported per request.
         self._recving: set[str] = set()
         self._failed_recving: set[str] = set()
+        # Requests with such a load that vLLM has not yet been told ended.
+        self._loading: set[str] = set()
         self._memory_tiers: frozenset[str] = frozenset()
         # Asynchronous loads enqueued on the device from a pinned tier (engine thread
         # only): reported in take_recving once their copies are done.
@@ -249,6 +251,9 @@ class WorkerSide:
         for those), all of one request's (one per KV-cache group) as one task."""
         off_step: dict[str, list[LoadOp]] = {}
         for op in meta.loads:
+            if (op.asynchronous and not self.broadcast) or self.layout.hybrid:
+                with self._lock:  # reported through take_recving (get_finished says why)
+                    self._loading.add(op.req_id)
             # An MLA broadcast is a collective of the TP group: it stays on the engine
             # thread, in the order every rank runs it.
             if op.asynchronous and not self.broadcast:
@@ -543,14 +548,30 @@ class WorkerSide:
                 lambda: all(self._outstanding.get(r, 0) == 0 for r in meta.preempted)
             )
 
-    def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
-        """Finished requests whose blocks may now be freed (their saves are done)."""
+    def get_finished(
+        self, finished_req_ids: set[str], received: set[str] | frozenset[str] = frozenset()
+    ) -> set[str] | None:
+        """Finished requests whose blocks may now be freed (their saves are done).
+
+        Args:
+            finished_req_ids: requests vLLM finished since the last call.
+            received: the requests :meth:`take_recving` answered for this same call.
+
+        A finished request whose load vLLM has not heard end before this call (still
+        running, or in ``received``) is never answered: vLLM frees such a request's
+        blocks when it hears the load end, and a save reported as well would name a
+        request it has already forgotten (an assertion that stops the engine). Its saves
+        are done by then (a request reloads only after a preemption, whose saves
+        ``handle_preemptions`` waited for).
+        """
         with self._lock:
             self._finished.update(r for r in finished_req_ids if r in self._outstanding)
             done = {r for r in self._finished if self._outstanding[r] == 0}
             for r in done:
                 self._finished.discard(r)
                 del self._outstanding[r]
+            done -= self._loading
+            self._loading -= received
         return done or None
 
     def build_worker_meta(self) -> KVTierWorkerMeta | None:
