@@ -8,6 +8,7 @@ skip with the reason where torch sees no CUDA device.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 
@@ -297,30 +298,32 @@ def test_a_cpu_load_scatters_straight_from_the_host_tier(monkeypatch) -> None:
         store.close()
 
 
-def _host_store(chunk: int) -> object:
+def _two_chunks(staged: torch.Tensor) -> tuple[Any, list[bytes]]:
+    """A host-tier store holding ``staged`` (four blocks) as two chunks, and their keys."""
+    import numpy as np
+
     from kvtier.config import load_config
     from kvtier.factory import build_store
     from kvtier.spec import KVSpec
 
     cfg = load_config(None, env={}, overrides=["tiers.0.capacity_bytes=1MiB"])
-    return build_store(cfg, spec=KVSpec(3, H, HS), chunk_bytes=chunk).store
+    store = build_store(cfg, spec=KVSpec(3, H, HS), chunk_bytes=staged.nbytes // 2).store
+    keys = [bytes([i]) * 16 for i in range(2)]
+    store.put(keys, np.ascontiguousarray(staged.numpy())).result()
+    return store, keys
 
 
 def test_a_cpu_mover_enqueues_no_load() -> None:
     """Only a mover with copy engines of its own takes an asynchronous load on the
     engine thread; a CPU one answers None, holding nothing, and the load thread runs it."""
-    import numpy as np
 
     from kvtier.connectors.vllm.inplace import start_in_place
 
     src = lbhnc(3)
     mover = TorchBlockMover([torch.zeros_like(t) for t in src])
     assert not mover.enqueues
-    store = _host_store(2 * mover.block_bytes)
+    store, keys = _two_chunks(TorchBlockMover(src).gather([0, 1, 2, 3]))
     try:
-        keys = [bytes([i]) * 16 for i in range(2)]
-        staged = TorchBlockMover(src).gather([0, 1, 2, 3])
-        store.put(keys, np.ascontiguousarray(staged.numpy())).result()
         assert start_in_place(store, mover, keys, [4, 5, 6, 7], 0, 2) is None
         assert store.stats().get_chunks == 0  # nothing was held (a release counts a get)
     finally:
@@ -333,7 +336,6 @@ def test_an_enqueued_load_is_done_only_when_the_blocks_hold_the_chunks() -> None
     """The CUDA engine's asynchronous in-place load returns before its copies run (the
     stream is kept busy), reports done only once the blocks hold the stored bytes, and
     leaves vLLM's own hit (skipped blocks) untouched."""
-    import numpy as np
 
     from kvtier.connectors.vllm.inplace import start_in_place
 
@@ -343,11 +345,8 @@ def test_an_enqueued_load_is_done_only_when_the_blocks_hold_the_chunks() -> None
     _fill_bytes(dst, POISON)
     mover = EngineBlockMover(dst, SLOTS_WIDE)
     assert mover.enqueues
-    store = _host_store(2 * mover.block_bytes)
+    store, keys = _two_chunks(EngineBlockMover(src, SLOTS_WIDE).gather([0, 1, 2, 3]))
     try:
-        keys = [bytes([i]) * 16 for i in range(2)]
-        staged = EngineBlockMover(src, SLOTS_WIDE).gather([0, 1, 2, 3])
-        store.put(keys, np.ascontiguousarray(staged.numpy())).result()
         torch.cuda._sleep(200_000_000)  # the copies wait for the current stream
         load = start_in_place(store, mover, keys, [4, 5, 6, 7], 1, 2)
         assert load is not None
@@ -365,7 +364,6 @@ def test_an_enqueued_load_is_done_only_when_the_blocks_hold_the_chunks() -> None
 def test_an_enqueue_that_fails_part_way_holds_nothing_and_raises_nothing() -> None:
     """A copy engine that refuses the second chunk (a fault no CPU copy produces, hence
     the stand-in): the load is not started, and every chunk is released at once."""
-    import numpy as np
 
     from kvtier.connectors.vllm.inplace import start_in_place
 
@@ -392,11 +390,8 @@ def test_an_enqueue_that_fails_part_way_holds_nothing_and_raises_nothing() -> No
 
     src = lbhnc(3)
     mover = RefusesSecond([torch.zeros_like(t) for t in src])
-    store = _host_store(2 * mover.block_bytes)
+    store, keys = _two_chunks(TorchBlockMover(src).gather([0, 1, 2, 3]))
     try:
-        keys = [bytes([i]) * 16 for i in range(2)]
-        staged = TorchBlockMover(src).gather([0, 1, 2, 3])
-        store.put(keys, np.ascontiguousarray(staged.numpy())).result()
         assert start_in_place(store, mover, keys, [4, 5, 6, 7], 0, 2) is None
         assert mover.calls == 2
         assert store.stats().get_chunks == 2  # both released (a release counts a get)
